@@ -1,0 +1,118 @@
+"""Shared fixtures: real Consul agents, artifacts for failed tests, golden-file switch.
+
+A missing tool is a failure, not a skip: a skipped integration test would hide
+exactly the breakage CI exists to catch.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.harness.agents import Agent, Cluster, consul_binary, save_logs, start_cluster, start_dev_agent
+from tests.harness.netns import Network
+
+REPO = Path(__file__).resolve().parents[1]
+ARTIFACTS = REPO / "test-artifacts"
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--update-golden", action="store_true", help="rewrite tests/golden/ from the current output")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]):  # noqa: ANN201 - pytest hook
+    outcome = yield
+    report = outcome.get_result()
+    setattr(item, f"rep_{report.when}", report)
+
+
+def _failed(request: pytest.FixtureRequest) -> bool:
+    return any(getattr(request.node, f"rep_{when}", None) is not None and getattr(request.node, f"rep_{when}").failed
+               for when in ("setup", "call"))
+
+
+def artifact_dir(node: pytest.Item) -> Path:
+    return ARTIFACTS / re.sub(r"[^A-Za-z0-9_.-]+", "_", node.nodeid)
+
+
+@pytest.fixture
+def artifacts(request: pytest.FixtureRequest) -> Path:
+    path = artifact_dir(request.node)
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def require_tool(name: str) -> str:
+    path = shutil.which(name)
+    if not path:
+        pytest.fail(f"required tool {name!r} is not installed (scripts/test installs it)", pytrace=False)
+    return path
+
+
+@pytest.fixture(scope="session")
+def consul_bin() -> str:
+    try:
+        return consul_binary()
+    except RuntimeError as exc:
+        pytest.fail(str(exc), pytrace=False)
+
+
+@pytest.fixture(scope="session")
+def _dev_agent(consul_bin: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Agent]:
+    agent = start_dev_agent(consul_bin, tmp_path_factory.mktemp("consul-dev"))
+    yield agent
+    agent.stop()
+
+
+@pytest.fixture
+def consul(_dev_agent: Agent, request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[Agent]:
+    """The shared dev agent with an empty KV store and no sessions; CONSUL_HTTP_ADDR points at it."""
+    if not _dev_agent.alive():
+        pytest.fail(f"the dev agent died; log: {_dev_agent.log_path}", pytrace=False)
+    _dev_agent.wipe()
+    for name in [n for n in os.environ if n.startswith("CONSUL_")]:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("CONSUL_HTTP_ADDR", _dev_agent.http_addr)
+    yield _dev_agent
+    if _failed(request):
+        save_logs([_dev_agent], artifact_dir(request.node))
+
+
+@pytest.fixture
+def cluster(consul_bin: str, tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Cluster]:
+    """node1 (server) and node2, node3 (clients), each in its own network namespace."""
+    require_tool("ip")
+    if os.geteuid() != 0:
+        pytest.fail("the cluster fixture needs root for network namespaces", pytrace=False)
+    network = Network(3).up()
+    started: Cluster | None = None
+    try:
+        started = start_cluster(consul_bin, tmp_path, network)
+        yield started
+    finally:
+        if started:
+            started.stop()
+        if started is None or _failed(request):
+            logs = list(tmp_path.glob("node*.log"))
+            dest = artifact_dir(request.node)
+            dest.mkdir(parents=True, exist_ok=True)
+            for log in logs:
+                shutil.copy(log, dest / log.name)
+        network.down()
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """Fail the run if anything was skipped: every test here must really run."""
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    skipped = reporter.stats.get("skipped", []) if reporter else []
+    if skipped and exitstatus == 0:
+        session.exitstatus = 1
+        if reporter:
+            reporter.write_line(f"FAILED: {len(skipped)} test(s) skipped; this suite treats a skip as a failure",
+                                red=True)

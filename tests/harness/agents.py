@@ -1,0 +1,202 @@
+"""Real Consul agents for tests: a dev agent on loopback, or a small cluster in network namespaces.
+
+Everything here starts processes it owns and stops them by PID; nothing
+leaves the machine (loopback, or a bridge with no uplink).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import requests
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def consul_binary() -> str:
+    """Build or reuse the real Consul agent through the project's one entry point."""
+    result = subprocess.run([str(REPO / "scripts" / "consul-binary")], capture_output=True, text=True)
+    if result.returncode != 0:
+        raise RuntimeError(f"scripts/consul-binary failed ({result.returncode}):\n{result.stderr}")
+    return result.stdout.strip().splitlines()[-1]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def wait_for(condition: Callable[[], Any], timeout: float, what: str, interval: float = 0.1) -> Any:
+    """Poll `condition` until it returns something truthy; fail naming `what` at the deadline."""
+    deadline = time.monotonic() + timeout
+    last_error: Exception | None = None
+    while time.monotonic() < deadline:
+        try:
+            value = condition()
+            if value:
+                return value
+        except (requests.RequestException, OSError, ValueError) as exc:
+            last_error = exc
+        time.sleep(interval)
+    raise TimeoutError(f"timed out after {timeout}s waiting for {what}" + (f" (last error: {last_error})" if last_error else ""))
+
+
+@dataclass
+class Agent:
+    """One running agent: its HTTP address, node name and log."""
+
+    name: str
+    http_addr: str  # host:port reachable from the test process
+    log_path: Path
+    process: subprocess.Popen[bytes]
+    netns: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.http_addr}"
+
+    def api(self, method: str, path: str, **kwargs: Any) -> requests.Response:
+        response = requests.request(method, f"{self.url}/v1/{path}", timeout=10, **kwargs)
+        response.raise_for_status()
+        return response
+
+    def get(self, path: str, **kwargs: Any) -> Any:
+        return self.api("GET", path, **kwargs).json()
+
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def kill(self) -> None:
+        """A node dying: SIGKILL, no graceful leave."""
+        if self.alive():
+            os.kill(self.process.pid, signal.SIGKILL)
+            self.process.wait(timeout=10)
+
+    def stop(self) -> None:
+        if self.alive():
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+    def wait_leader(self, timeout: float = 30) -> str:
+        return wait_for(lambda: self.get("status/leader"), timeout, f"a Raft leader via {self.name}")
+
+    def wipe(self) -> None:
+        """Empty the KV store and destroy every session, for a clean test."""
+        self.api("DELETE", "kv/", params={"recurse": "true"})
+        for session in self.get("session/list"):
+            self.api("PUT", f"session/destroy/{session['ID']}")
+
+
+def _start(cmd: list[str], log_path: Path, netns: str | None) -> subprocess.Popen[bytes]:
+    if netns:
+        cmd = ["ip", "netns", "exec", netns, *cmd]
+    log = log_path.open("wb")
+    try:
+        return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    finally:
+        log.close()
+
+
+# Fast failure detection so "a node died" is noticed in seconds, as on a LAN under load it would be in tens.
+_FAST_GOSSIP = {"gossip_lan": {"probe_interval": "200ms", "probe_timeout": "100ms", "suspicion_mult": 2,
+                               "gossip_interval": "100ms", "retransmit_mult": 2}}
+
+
+def start_dev_agent(binary: str, workdir: Path, name: str = "dev1") -> Agent:
+    """A single-node dev agent (server + client) on free loopback ports."""
+    ports = {"http": free_port(), "dns": -1, "grpc": -1, "grpc_tls": -1, "serf_lan": free_port(),
+             "serf_wan": free_port(), "server": free_port()}
+    config = workdir / f"{name}.json"
+    config.write_text(json.dumps({"ports": ports, "ui_config": {"enabled": True}}))
+    log_path = workdir / f"{name}.log"
+    process = _start([binary, "agent", "-dev", "-node", name, "-bind", "127.0.0.1", "-client", "127.0.0.1",
+                      "-config-file", str(config)], log_path, None)
+    agent = Agent(name=name, http_addr=f"127.0.0.1:{ports['http']}", log_path=log_path, process=process)
+    agent.extra["ports"] = ports
+    try:
+        agent.wait_leader()
+    except TimeoutError:
+        agent.stop()
+        raise RuntimeError(f"dev agent did not elect itself leader; log:\n{log_path.read_text()[-3000:]}") from None
+    return agent
+
+
+@dataclass
+class Cluster:
+    """One server and client agents, each in its own network namespace on a private bridge."""
+
+    server: Agent
+    clients: list[Agent]
+    network: Any  # tests.harness.netns.Network
+
+    @property
+    def agents(self) -> list[Agent]:
+        return [self.server, *self.clients]
+
+    def by_name(self, name: str) -> Agent:
+        return next(a for a in self.agents if a.name == name)
+
+    def stop(self) -> None:
+        for agent in self.agents:
+            agent.stop()
+
+
+def start_cluster(binary: str, workdir: Path, network: Any, clients: int = 2) -> Cluster:
+    """Start `node1` (server) and `node2..` (clients); each agent's HTTP API also listens on its own loopback."""
+    agents: list[Agent] = []
+    server_ip = network.address(0)
+    try:
+        for index in range(clients + 1):
+            name = f"node{index + 1}"
+            ip = network.address(index)
+            data_dir = workdir / name
+            data_dir.mkdir()
+            config: dict[str, Any] = {
+                "node_name": name, "datacenter": "dc1", "data_dir": str(data_dir), "bind_addr": ip,
+                "client_addr": f"{ip} 127.0.0.1", "ports": {"dns": -1, "grpc": -1, "grpc_tls": -1},
+                "log_level": "debug", "disable_update_check": True, "ui_config": {"enabled": index == 0},
+                "performance": {"raft_multiplier": 1}, **_FAST_GOSSIP,
+            }
+            if index == 0:
+                config.update({"server": True, "bootstrap_expect": 1})
+            else:
+                config.update({"retry_join": [server_ip], "retry_interval": "1s"})
+            config_file = workdir / f"{name}.json"
+            config_file.write_text(json.dumps(config))
+            log_path = workdir / f"{name}.log"
+            ns = network.namespace(index)
+            process = _start([binary, "agent", "-config-file", str(config_file)], log_path, ns)
+            agents.append(Agent(name=name, http_addr=f"{ip}:8500", log_path=log_path, process=process, netns=ns,
+                                extra={"ip": ip}))
+        cluster = Cluster(server=agents[0], clients=agents[1:], network=network)
+        cluster.server.wait_leader()
+        wait_for(lambda: sum(m["Status"] == 1 for m in cluster.server.get("agent/members")) == len(agents),
+                 60, "every agent to join the cluster")
+        for agent in agents:
+            wait_for(lambda a=agent: a.get("catalog/node/" + a.name), 30, f"{agent.name} in the catalog")
+        return cluster
+    except BaseException:
+        for agent in agents:
+            agent.stop()
+        raise
+
+
+def save_logs(agents: list[Agent], dest: Path) -> None:
+    dest.mkdir(parents=True, exist_ok=True)
+    for agent in agents:
+        if agent.log_path.exists():
+            shutil.copy(agent.log_path, dest / agent.log_path.name)

@@ -1,0 +1,79 @@
+"""Network namespaces joined by a bridge with no uplink: the test cluster's private LAN.
+
+The host end of the bridge has an address too, so the test process can reach
+every node's agent directly; nothing is routed anywhere else.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import subprocess
+
+
+def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["ip", *args], capture_output=True, text=True, check=check)
+
+
+class Network:
+    """`count` namespaces on `subnet`: node i gets host address .(11 + i), the bridge .1."""
+
+    def __init__(self, count: int, subnet: str = "10.213.77.0/24") -> None:
+        self.count = count
+        self.net = ipaddress.ip_network(subnet)
+        tag = f"{os.getpid() % 100000}"
+        self.bridge = f"crbr{tag}"
+        self.names = [f"crn{i + 1}-{tag}" for i in range(count)]
+        self.created: list[tuple[str, str]] = []
+
+    def address(self, index: int) -> str:
+        return str(self.net.network_address + 11 + index)
+
+    def namespace(self, index: int) -> str:
+        return self.names[index]
+
+    def veth(self, index: int) -> str:
+        return f"crv{index + 1}-{self.bridge[4:]}"
+
+    def up(self) -> "Network":
+        routes = _ip("route", "show", str(self.net)).stdout.strip()
+        if routes:
+            raise RuntimeError(f"test subnet {self.net} is already routed on this machine: {routes}")
+        try:
+            _ip("link", "add", self.bridge, "type", "bridge")
+            self.created.append(("link", self.bridge))
+            _ip("addr", "add", f"{self.net.network_address + 1}/{self.net.prefixlen}", "dev", self.bridge)
+            _ip("link", "set", self.bridge, "up")
+            for index, ns in enumerate(self.names):
+                _ip("netns", "add", ns)
+                self.created.append(("netns", ns))
+                host_end, node_end = self.veth(index), f"eth{index}tmp"
+                _ip("link", "add", host_end, "type", "veth", "peer", "name", node_end)
+                self.created.append(("link", host_end))
+                _ip("link", "set", node_end, "netns", ns)
+                _ip("link", "set", host_end, "master", self.bridge)
+                _ip("link", "set", host_end, "up")
+                inside = ["netns", "exec", ns, "ip"]
+                _ip(*inside, "link", "set", node_end, "name", "eth0")
+                _ip(*inside, "addr", "add", f"{self.address(index)}/{self.net.prefixlen}", "dev", "eth0")
+                _ip(*inside, "link", "set", "eth0", "up")
+                _ip(*inside, "link", "set", "lo", "up")
+        except BaseException:
+            self.down()
+            raise
+        return self
+
+    def partition(self, index: int) -> None:
+        """Cut node `index` off the LAN (its agent keeps running)."""
+        _ip("link", "set", self.veth(index), "down")
+
+    def heal(self, index: int) -> None:
+        _ip("link", "set", self.veth(index), "up")
+
+    def down(self) -> None:
+        for kind, name in reversed(self.created):
+            if kind == "netns":
+                _ip("netns", "del", name, check=False)
+            else:
+                _ip("link", "del", name, check=False)
+        self.created.clear()
