@@ -1,0 +1,3 @@
+from consulrun.cli import main
+
+main()

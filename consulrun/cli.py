@@ -1,0 +1,119 @@
+"""Command line: parse arguments, call one core function per command, print.
+
+Exit statuses are listed in `consulrun --help` and in the README; they come
+from `consulrun.errors.ExitCode` and nowhere else.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import click
+
+from consulrun import __version__
+from consulrun.errors import ExitCode, NotImplementedYet, OutputError
+from consulrun.manifest import load_manifest
+from consulrun.render import render, write_units
+
+EXIT_CODES_HELP = """
+\b
+Exit statuses:
+  0   success (for `run`: the job's own status is passed through)
+  1   failure without a more specific status (e.g. `generate --check` found changes)
+  2   bad usage or invalid manifest
+  3   command not implemented yet
+  69  Consul unavailable: nothing was started
+  70  Consul answered something unexpected
+  74  writing output failed
+  75  lock lost while the job ran: the job was killed
+  77  permission denied by Consul ACLs: nothing was started
+"""
+
+
+def _default_consulrun_path() -> str:
+    """The consulrun being run now, so units call the same installation."""
+    invoked = Path(sys.argv[0])
+    if invoked.name == "consulrun" and invoked.exists():
+        return str(invoked.absolute())
+    beside = Path(sys.executable).parent / "consulrun"
+    if beside.exists():
+        return str(beside)
+    found = shutil.which("consulrun")
+    return os.path.abspath(found) if found else "/usr/local/bin/consulrun"
+
+
+@click.group(epilog=EXIT_CODES_HELP, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="consulrun")
+def main() -> None:
+    """Run each occurrence of a scheduled job on exactly one node, locked through Consul.
+
+    A manifest of jobs becomes paired systemd .timer/.service units
+    (`generate`, `install`); each unit runs `consulrun run`, which holds a
+    Consul session lock while the job runs.
+    """
+
+
+@main.command()
+@click.argument("manifest", type=click.Path(dir_okay=False, path_type=Path))
+@click.option("-o", "--output", "output", required=True, metavar="DIR",
+              help="Folder to write the units into, or - to print them.")
+@click.option("--check", is_flag=True, help="Change nothing; print a diff and exit 1 if DIR is out of date.")
+@click.option("--templates", type=click.Path(file_okay=False, exists=True, path_type=Path),
+              help="Folder with service.j2 and/or timer.j2 overriding the shipped templates.")
+@click.option("--consulrun-path", default=_default_consulrun_path, show_default="this consulrun",
+              help="Absolute path of consulrun as the units' ExecStart= calls it.")
+def generate(manifest: Path, output: str, check: bool, templates: Path | None, consulrun_path: str) -> None:
+    """Render MANIFEST into <prefix>-<job>.service/.timer files."""
+    units = render(load_manifest(manifest), consulrun_path, templates)
+    if output == "-":
+        for name, text in units.items():
+            click.echo(f"# --- {name}\n{text}", nl=False)
+        return
+    outdir = Path(output)
+    if check:
+        diff = _diff(units, outdir)
+        if diff:
+            click.echo(diff, nl=False)
+            click.echo(f"{outdir} is out of date with {manifest}", err=True)
+            sys.exit(ExitCode.FAILURE)
+        click.echo(f"{outdir} is up to date")
+        return
+    for path in write_units(units, outdir):
+        click.echo(str(path))
+
+
+def _diff(units: dict[str, str], outdir: Path) -> str:
+    from consulrun.render import is_generated
+
+    present = {p.name for p in outdir.glob("*") if p.suffix in (".service", ".timer") and is_generated(p)} \
+        if outdir.is_dir() else set()
+    chunks = []
+    for name in sorted(set(units) | present):
+        path = outdir / name
+        try:
+            old = path.read_text(encoding="utf-8").splitlines(keepends=True) if name in present or path.exists() else []
+        except OSError as exc:
+            raise OutputError(f"cannot read {path}: {exc.strerror}") from None
+        new = units.get(name, "").splitlines(keepends=True)
+        chunks.extend(difflib.unified_diff(old, new, f"a/{name}", f"b/{name}"))
+    return "".join(chunks)
+
+
+def _not_implemented(name: str) -> None:
+    raise NotImplementedYet(f"`consulrun {name}` is not implemented yet")
+
+
+@main.command(context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
+def install() -> None:
+    """Install a manifest's units on this node or over SSH (not implemented yet)."""
+    _not_implemented("install")
+
+
+@main.command(context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
+def status() -> None:
+    """Show who holds each job's lock and how the last runs went (not implemented yet)."""
+    _not_implemented("status")

@@ -1,0 +1,69 @@
+"""Exit statuses and the one exception hierarchy every failure maps onto.
+
+The numbers are part of the interface: units list the skip code in
+`SuccessExitStatus=`, and monitoring reads the others.  They follow sysexits(3)
+where a meaning matches, so they stay clear of the small codes jobs use.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import click
+
+
+class ExitCode(enum.IntEnum):
+    OK = 0
+    FAILURE = 1  # a job-independent failure that has no more specific code
+    USAGE = 2  # bad command line or manifest (click uses 2 for usage errors too)
+    CONSUL_UNAVAILABLE = 69  # EX_UNAVAILABLE: agent or servers not reachable; job not started
+    SOFTWARE = 70  # EX_SOFTWARE: Consul answered something we cannot make sense of
+    IO = 74  # EX_IOERR: writing output failed
+    LOCK_LOST = 75  # EX_TEMPFAIL: the lock was lost while the job ran; job killed
+    PERMISSION = 77  # EX_NOPERM: ACL token lacks a permission; job not started
+    NOT_IMPLEMENTED = 3
+
+
+class ConsulrunError(click.ClickException):
+    """Base of every error consulrun reports; click prints `Error: <message>`."""
+
+    exit_code = ExitCode.FAILURE
+
+
+class UsageError(ConsulrunError):
+    exit_code = ExitCode.USAGE
+
+
+class ManifestError(UsageError):
+    """One or more problems in a manifest; every problem is reported at once."""
+
+    def __init__(self, problems: list[str]) -> None:
+        self.problems = problems
+        super().__init__("\n".join(problems))
+
+    def format_message(self) -> str:
+        return "\n".join(self.problems)
+
+    def show(self, file=None) -> None:  # noqa: ANN001 - click's signature
+        for line in self.problems:
+            click.echo(f"Error: {line}", err=True, file=file)
+
+
+class ConsulUnavailable(ConsulrunError):
+    exit_code = ExitCode.CONSUL_UNAVAILABLE
+
+
+class ConsulProtocolError(ConsulrunError):
+    exit_code = ExitCode.SOFTWARE
+
+
+class PermissionDenied(ConsulrunError):
+    exit_code = ExitCode.PERMISSION
+
+
+class OutputError(ConsulrunError):
+    exit_code = ExitCode.IO
+
+
+class NotImplementedYet(ConsulrunError):
+    exit_code = ExitCode.NOT_IMPLEMENTED

@@ -1,0 +1,302 @@
+"""Loading and validating a job manifest into typed, immutable settings.
+
+The JSON Schema shipped beside this module is the single statement of the
+manifest's shape (it is also what the README's reference table documents);
+this module adds what a schema cannot say: positions, duplicate keys, value
+ranges, calendar syntax and whether a value can be written to a unit file.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import shlex
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import yaml
+
+from consulrun import calendar, unitescape
+from consulrun.durations import parse_duration
+from consulrun.errors import ManifestError
+from consulrun.yamlsource import Located, load
+
+SCHEMA: dict[str, Any] = json.loads(resources.files("consulrun").joinpath("manifest.schema.json").read_text())
+
+TTL_RANGE_MS = (10_000, 86_400_000)  # Consul's own bounds for a session TTL
+LOCK_DELAY_RANGE_MS = (1_000, 60_000)  # Consul caps lock-delay at 60s; 0 defeats fencing
+
+
+@dataclass(frozen=True)
+class LockSettings:
+    ttl_ms: int = 15_000
+    lock_delay_ms: int = 15_000
+    checks: tuple[str, ...] = ()
+    wait_ms: int = 0
+    concurrency: int = 1
+    skip_exit_code: int = 0
+
+
+@dataclass(frozen=True)
+class TimerSettings:
+    accuracy_ms: int = 1_000
+    randomized_delay_ms: int = 0
+    persistent: bool = False
+
+
+@dataclass(frozen=True)
+class ConsulSettings:
+    address: str | None = None
+    token_file: str | None = None
+    ca_file: str | None = None
+    cert_file: str | None = None
+    key_file: str | None = None
+    tls_server_name: str | None = None
+
+
+@dataclass(frozen=True)
+class Job:
+    name: str
+    command: tuple[str, ...]
+    schedules: tuple[str, ...]
+    description: str
+    user: str | None
+    group: str | None
+    working_directory: str | None
+    environment: tuple[tuple[str, str], ...]
+    environment_file: str | None
+    timeout_ms: int | None
+    lock: LockSettings
+    timer: TimerSettings
+
+
+@dataclass(frozen=True)
+class Manifest:
+    source: str
+    unit_prefix: str
+    kv_prefix: str
+    consul: ConsulSettings
+    jobs: tuple[Job, ...]
+
+
+class _Problems:
+    """Collects `FILE:LINE:COL: where: message` lines so all are reported at once."""
+
+    def __init__(self, source: str, located: Located) -> None:
+        self.source = source
+        self.located = located
+        self.lines: list[tuple[tuple[int, int], str]] = []
+
+    def add(self, path: tuple[Any, ...], message: str, *, key: bool = False) -> None:
+        line, col = self.located.where(path, key=key)
+        where = _dotted(path)
+        self.lines.append(((line, col), f"{self.source}:{line}:{col}: {where + ': ' if where else ''}{message}"))
+
+    def raise_if_any(self) -> None:
+        if self.lines:
+            raise ManifestError([text for _, text in sorted(self.lines)])
+
+
+def _dotted(path: tuple[Any, ...]) -> str:
+    out = ""
+    for part in path:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out
+
+
+_TYPE_NAMES = {str: "a string", int: "an integer", float: "a number", bool: "a boolean",
+               list: "a list", dict: "a mapping", type(None): "empty"}
+
+
+def _describe(value: Any) -> str:
+    return _TYPE_NAMES.get(type(value), type(value).__name__)
+
+
+def _schema_problem(err: jsonschema.ValidationError, problems: _Problems) -> None:
+    path = tuple(err.absolute_path)
+    kind = err.validator
+    if kind == "additionalProperties":
+        known = sorted(err.schema.get("properties", {}))
+        for extra in sorted(set(err.instance) - set(known), key=str):
+            hint = difflib.get_close_matches(str(extra), known, n=1)
+            suffix = f" (did you mean {hint[0]!r}?)" if hint else f" (known keys: {', '.join(known)})"
+            problems.add(path + (extra,), f"unknown key {extra!r}{suffix}", key=True)
+    elif kind == "required":
+        for missing in (k for k in err.validator_value if k not in err.instance):
+            problems.add(path, f"missing required key {missing!r}")
+    elif kind == "type":
+        wanted = err.validator_value if isinstance(err.validator_value, list) else [err.validator_value]
+        message = err.schema.get("x-message") or f"must be {' or '.join(wanted)}, not {_describe(err.instance)}"
+        problems.add(path, message)
+    elif kind == "pattern" and err.relative_schema_path and "propertyNames" in err.relative_schema_path:
+        problems.add(path + (err.instance,), f"{err.instance!r} {err.schema.get('x-message', 'is not allowed')}", key=True)
+    elif kind == "pattern":
+        problems.add(path, f"{err.instance!r} {err.schema.get('x-message', 'has the wrong form')}")
+    elif kind == "oneOf":
+        problems.add(path, f"must be a non-empty string or a non-empty list of strings, not {_describe(err.instance)}")
+    elif kind in ("minimum", "maximum"):
+        bounds = err.schema
+        problems.add(path, f"must be between {bounds.get('minimum')} and {bounds.get('maximum')}, not {err.instance}")
+    elif kind == "minProperties":
+        problems.add(path, "must define at least one job")
+    elif kind in ("minItems", "minLength"):
+        problems.add(path, "must not be empty")
+    else:
+        problems.add(path, err.message)
+
+
+def _check_range(problems: _Problems, path: tuple[Any, ...], text: str, bounds: tuple[int, int], why: str) -> None:
+    ms = parse_duration(text)
+    if not bounds[0] <= ms <= bounds[1]:
+        problems.add(path, f"{text!r} is out of range: {why}")
+
+
+def _split_command(problems: _Problems, path: tuple[Any, ...], command: str | list[str]) -> tuple[str, ...]:
+    if isinstance(command, list):
+        return tuple(command)
+    try:
+        argv = shlex.split(command)
+    except ValueError as exc:
+        problems.add(path, f"cannot split command: {exc}")
+        return ()
+    if not argv:
+        problems.add(path, "must not be empty")
+    return tuple(argv)
+
+
+def _check_representable(problems: _Problems, job: dict[str, Any], jpath: tuple[Any, ...]) -> None:
+    checks: list[tuple[tuple[Any, ...], str, unitescape.Context]] = []
+    if isinstance(job.get("description"), str):
+        checks.append((jpath + ("description",), job["description"], unitescape.Context.PLAIN))
+    for name in ("working_directory", "environment_file"):
+        if isinstance(job.get(name), str):
+            checks.append((jpath + (name,), job[name], unitescape.Context.PLAIN))
+    if isinstance(job.get("command"), list):
+        checks += [(jpath + ("command", i), arg, unitescape.Context.EXEC_ARG)
+                   for i, arg in enumerate(job["command"]) if isinstance(arg, str)]
+    if isinstance(job.get("environment"), dict):
+        checks += [(jpath + ("environment", k), f"{k}={v}", unitescape.Context.ENV_ASSIGNMENT)
+                   for k, v in job["environment"].items() if isinstance(v, (str, int))]
+    for path, value, context in checks:
+        try:
+            unitescape.escape(value, context)
+        except unitescape.UnrepresentableError as exc:
+            problems.add(path, f"cannot be written to a unit file: {exc}")
+
+
+def _semantic_checks(problems: _Problems, data: dict[str, Any]) -> None:
+    lock_blocks = [(("defaults", "lock"), (data.get("defaults") or {}).get("lock"))]
+    jobs = data.get("jobs") if isinstance(data.get("jobs"), dict) else {}
+    for name, job in jobs.items():
+        if not isinstance(job, dict):
+            continue
+        jpath = ("jobs", name)
+        lock_blocks.append((jpath + ("lock",), job.get("lock")))
+        schedules = job.get("schedule")
+        for i, spec in enumerate([schedules] if isinstance(schedules, str) else schedules or []):
+            if isinstance(spec, str):
+                try:
+                    calendar.validate(spec)
+                except calendar.CalendarError as exc:
+                    problems.add(jpath + ("schedule",) + ((i,) if isinstance(schedules, list) else ()), str(exc))
+        if isinstance(job.get("command"), str):
+            _split_command(problems, jpath + ("command",), job["command"])
+        _check_representable(problems, job, jpath)
+    for path, block in lock_blocks:
+        if not isinstance(block, dict):
+            continue
+        if isinstance(block.get("ttl"), str):
+            _check_range(problems, path + ("ttl",), block["ttl"], TTL_RANGE_MS, "Consul accepts a session TTL from 10s to 24h")
+        if isinstance(block.get("lock_delay"), str):
+            _check_range(problems, path + ("lock_delay",), block["lock_delay"], LOCK_DELAY_RANGE_MS,
+                         "lock_delay must be 1s to 60s; 0 would let another node start before a partitioned holder stops")
+
+
+def _lock(raw: dict[str, Any]) -> LockSettings:
+    base = LockSettings()
+    return LockSettings(
+        ttl_ms=parse_duration(raw["ttl"]) if "ttl" in raw else base.ttl_ms,
+        lock_delay_ms=parse_duration(raw["lock_delay"]) if "lock_delay" in raw else base.lock_delay_ms,
+        checks=tuple(raw.get("checks", base.checks)),
+        wait_ms=parse_duration(raw["wait"]) if "wait" in raw else base.wait_ms,
+        concurrency=raw.get("concurrency", base.concurrency),
+        skip_exit_code=raw.get("skip_exit_code", base.skip_exit_code),
+    )
+
+
+def _timer(raw: dict[str, Any]) -> TimerSettings:
+    base = TimerSettings()
+    return TimerSettings(
+        accuracy_ms=parse_duration(raw["accuracy"]) if "accuracy" in raw else base.accuracy_ms,
+        randomized_delay_ms=parse_duration(raw["randomized_delay"]) if "randomized_delay" in raw else base.randomized_delay_ms,
+        persistent=raw.get("persistent", base.persistent),
+    )
+
+
+def _build(source: str, data: dict[str, Any], problems: _Problems) -> Manifest:
+    defaults = data.get("defaults", {})
+    jobs = []
+    for name in sorted(data["jobs"]):
+        raw = data["jobs"][name]
+        schedule = raw["schedule"]
+        jobs.append(Job(
+            name=name,
+            command=_split_command(problems, ("jobs", name, "command"), raw["command"]),
+            schedules=tuple([schedule] if isinstance(schedule, str) else schedule),
+            description=raw.get("description", f"consulrun job {name}"),
+            user=raw.get("user"),
+            group=raw.get("group"),
+            working_directory=raw.get("working_directory"),
+            environment=tuple(sorted((k, str(v)) for k, v in raw.get("environment", {}).items())),
+            environment_file=raw.get("environment_file"),
+            timeout_ms=parse_duration(raw["timeout"]) if "timeout" in raw else None,
+            lock=_lock({**defaults.get("lock", {}), **raw.get("lock", {})}),
+            timer=_timer({**defaults.get("timer", {}), **raw.get("timer", {})}),
+        ))
+    return Manifest(
+        source=source,
+        unit_prefix=data.get("unit_prefix", "consulrun"),
+        kv_prefix=data.get("kv_prefix", "consulrun"),
+        consul=ConsulSettings(**data.get("consul", {})),
+        jobs=tuple(jobs),
+    )
+
+
+def parse_manifest(text: str, source: str) -> Manifest:
+    """Validate manifest text; every problem found is raised together as one `ManifestError`."""
+    try:
+        located = load(text)
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark or exc.context_mark
+        where = f"{source}:{mark.line + 1}:{mark.column + 1}" if mark else source
+        raise ManifestError([f"{where}: YAML syntax error: {exc.problem or exc}"]) from None
+    except yaml.YAMLError as exc:
+        raise ManifestError([f"{source}: YAML error: {exc}"]) from None
+    problems = _Problems(source, located)
+    for pos, message in located.problems:
+        problems.lines.append((pos, f"{source}:{pos[0]}:{pos[1]}: {message}"))
+    data = located.data
+    if data is None:
+        raise ManifestError([f"{source}:1:1: the manifest is empty; it needs at least a 'jobs' mapping"])
+    if not isinstance(data, dict):
+        problems.add((), f"the top level must be a mapping with a 'jobs' key, not {_describe(data)}")
+        problems.raise_if_any()
+    for err in jsonschema.Draft202012Validator(SCHEMA).iter_errors(data):
+        _schema_problem(err, problems)
+    _semantic_checks(problems, data)
+    problems.raise_if_any()
+    manifest = _build(source, data, problems)
+    problems.raise_if_any()
+    return manifest
+
+
+def load_manifest(path: Path) -> Manifest:
+    """Read and validate the manifest at `path`."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ManifestError([f"{path}: cannot read manifest: {exc}"]) from None
+    return parse_manifest(text, str(path))

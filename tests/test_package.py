@@ -1,0 +1,65 @@
+"""The package as a user gets it: the wheel carries the templates and the CLI works."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import venv
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from consulrun import __version__
+from consulrun.cli import main
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_version_and_help() -> None:
+    runner = CliRunner()
+    result = runner.invoke(main, ["--version"])
+    assert result.exit_code == 0
+    assert result.stdout == f"consulrun, version {__version__}\n"
+    result = runner.invoke(main, ["--help"])
+    assert result.exit_code == 0
+    for command in ("generate", "run", "status"):
+        assert command in result.stdout
+    assert "75  lock lost" in result.stdout
+
+
+def test_python_dash_m_runs_the_cli() -> None:
+    result = subprocess.run([sys.executable, "-m", "consulrun", "--version"], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip().endswith(__version__)
+
+
+@pytest.mark.parametrize("command", ["install", "status"])
+def test_unfinished_commands_say_so_and_fail(command: str) -> None:
+    result = CliRunner().invoke(main, [command, "x"])
+    assert result.exit_code == 3
+    assert "not implemented" in result.stderr
+    assert result.stdout == ""
+
+
+@pytest.mark.slow
+def test_wheel_ships_templates_and_renders_from_installed_copy(tmp_path: Path) -> None:
+    dist = tmp_path / "dist"
+    subprocess.run([sys.executable, "-m", "build", "--wheel", "--no-isolation", "--outdir", str(dist), str(REPO)],
+                   check=True, capture_output=True)
+    wheel = next(dist.glob("consulrun-*.whl"))
+    env_dir = tmp_path / "venv"
+    venv.EnvBuilder(with_pip=True).create(env_dir)
+    py = env_dir / "bin" / "python"
+    subprocess.run([str(py), "-m", "pip", "install", "-q", str(wheel)], check=True, capture_output=True)
+    # Run from an unrelated folder so the source tree's templates/ cannot be found.
+    where = subprocess.run([str(py), "-c", "from consulrun.render import shipped_templates; print(shipped_templates())"],
+                           cwd=tmp_path, capture_output=True, text=True, check=True).stdout.strip()
+    assert where.startswith(str(env_dir)), where
+    assert sorted(p.name for p in Path(where).iterdir()) == ["service.j2", "timer.j2"]
+    out = tmp_path / "units"
+    result = subprocess.run([str(env_dir / "bin" / "consulrun"), "generate", str(REPO / "examples" / "jobs.yaml"),
+                             "-o", str(out)], cwd=tmp_path, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    service = (out / "consulrun-billing-report.service").read_text()
+    assert f"ExecStart={env_dir}/bin/consulrun run " in service
