@@ -7,7 +7,9 @@ from `consulrun.errors.ExitCode` and nowhere else.
 from __future__ import annotations
 
 import difflib
+import logging
 import os
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -15,9 +17,13 @@ from pathlib import Path
 import click
 
 from consulrun import __version__
-from consulrun.errors import ExitCode, NotImplementedYet, OutputError
-from consulrun.manifest import load_manifest
-from consulrun.render import render, write_units
+from consulrun.errors import ExitCode, NotImplementedYet, OutputError, UsageError
+from consulrun.lock import LockSpec
+from consulrun.durations import LOCK_DELAY_RANGE_MS, TTL_RANGE_MS
+from consulrun.manifest import SCHEMA, load_manifest
+from consulrun.options import Duration, consul_config, consul_options
+from consulrun.render import is_generated, render, write_units
+from consulrun.runner import RunRequest, run as run_job
 
 EXIT_CODES_HELP = """
 \b
@@ -26,6 +32,7 @@ Exit statuses:
   1   failure without a more specific status (e.g. `generate --check` found changes)
   2   bad usage or invalid manifest
   3   command not implemented yet
+  127 `run`: the job's command could not be started
   69  Consul unavailable: nothing was started
   70  Consul answered something unexpected
   74  writing output failed
@@ -87,8 +94,6 @@ def generate(manifest: Path, output: str, check: bool, templates: Path | None, c
 
 
 def _diff(units: dict[str, str], outdir: Path) -> str:
-    from consulrun.render import is_generated
-
     present = {p.name for p in outdir.glob("*") if p.suffix in (".service", ".timer") and is_generated(p)} \
         if outdir.is_dir() else set()
     chunks = []
@@ -101,6 +106,63 @@ def _diff(units: dict[str, str], outdir: Path) -> str:
         new = units.get(name, "").splitlines(keepends=True)
         chunks.extend(difflib.unified_diff(old, new, f"a/{name}", f"b/{name}"))
     return "".join(chunks)
+
+
+def _in_range(name: str, ms: int, bounds: tuple[int, int]) -> None:
+    if not bounds[0] <= ms <= bounds[1]:
+        raise UsageError(f"--{name} must be between {bounds[0] // 1000}s and {bounds[1] // 1000}s")
+
+
+@main.command(context_settings={"allow_interspersed_args": False})
+@click.option("--prefix", default="consulrun", show_default=True, help="KV prefix; the job's keys are <prefix>/<JOB>/.")
+@click.option("--ttl", type=Duration(), default="15s", show_default=True, help="Session TTL (10s to 24h).")
+@click.option("--lock-delay", type=Duration(), default="15s", show_default=True,
+              help="Consul lock-delay (5s to 60s). The job is killed within this long of losing touch with Consul.")
+@click.option("--check", "checks", multiple=True, metavar="ID",
+              help="Extra node or service check bound to the session (repeatable); serfHealth is always bound.")
+@click.option("--wait", type=Duration(), default="0s", show_default=True,
+              help="How long to wait for a held lock; 0 tries once.")
+@click.option("--concurrency", type=click.IntRange(1, 1000), default=1, show_default=True,
+              help="How many nodes may run the job at once.")
+@click.option("--skip-exit-code", type=click.IntRange(0, 255), default=0, show_default=True,
+              help="Exit status when the lock is held elsewhere and the job is skipped.")
+@consul_options
+@click.argument("job")
+@click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
+def run(job: str, command: tuple[str, ...], prefix: str, ttl: int, lock_delay: int, checks: tuple[str, ...],
+        wait: int, concurrency: int, skip_exit_code: int, **consul: str | None) -> None:
+    """Run COMMAND for JOB on this node only if this node gets JOB's Consul lock.
+
+    \b
+    consulrun run [OPTIONS] JOB -- COMMAND [ARG]...
+
+    The job gets CONSULRUN_JOB, CONSULRUN_SESSION, CONSULRUN_LOCK_KEY and
+    CONSULRUN_FENCING_TOKEN (grows with every acquisition) in its environment.
+    Its own exit status is passed through. If the lock cannot be confirmed,
+    the job's whole process group is killed and the status is 75.
+    """
+    name_rule = SCHEMA["$defs"]["name"]
+    if not re.fullmatch(name_rule["pattern"], job):
+        raise UsageError(f"job name {job!r} {name_rule['x-message']}")
+    _in_range("ttl", ttl, TTL_RANGE_MS)
+    _in_range("lock-delay", lock_delay, LOCK_DELAY_RANGE_MS)
+    if command and command[0] == "--":
+        command = command[1:]
+    if not command:
+        raise UsageError("no command given: consulrun run JOB -- COMMAND [ARG]...")
+    spec = LockSpec(job=job, prefix=prefix, ttl_ms=ttl, lock_delay_ms=lock_delay, checks=checks, wait_ms=wait,
+                    concurrency=concurrency)
+    _setup_logging()
+    sys.exit(run_job(RunRequest(spec=spec, command=command, skip_exit_code=skip_exit_code), consul_config(consul)))
+
+
+def _setup_logging() -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("consulrun: %(message)s"))
+    logger = logging.getLogger("consulrun")
+    logger.handlers[:] = [handler]
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
 
 
 def _not_implemented(name: str) -> None:

@@ -9,6 +9,10 @@ from __future__ import annotations
 
 import re
 
+TTL_RANGE_MS = (10_000, 86_400_000)  # Consul's own bounds for a session TTL
+# Consul caps lock-delay at 60s; below 5s no confirmation interval fits inside the fencing window.
+LOCK_DELAY_RANGE_MS = (5_000, 60_000)
+
 _UNITS_MS = {"ms": 1, "s": 1000, "m": 60_000, "min": 60_000, "h": 3_600_000, "d": 86_400_000}
 _PART = re.compile(r"(\d+)(ms|min|s|m|h|d)")
 _WHOLE = re.compile(r"(?:\d+(?:ms|min|s|m|h|d))+")

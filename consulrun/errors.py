@@ -21,6 +21,7 @@ class ExitCode(enum.IntEnum):
     IO = 74  # EX_IOERR: writing output failed
     LOCK_LOST = 75  # EX_TEMPFAIL: the lock was lost while the job ran; job killed
     PERMISSION = 77  # EX_NOPERM: ACL token lacks a permission; job not started
+    JOB_NOT_STARTED = 127  # as a shell says: the job's command could not be executed
     NOT_IMPLEMENTED = 3
 
 
@@ -63,6 +64,10 @@ class PermissionDenied(ConsulrunError):
 
 class OutputError(ConsulrunError):
     exit_code = ExitCode.IO
+
+
+class JobNotStarted(ConsulrunError):
+    exit_code = ExitCode.JOB_NOT_STARTED
 
 
 class NotImplementedYet(ConsulrunError):

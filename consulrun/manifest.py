@@ -20,14 +20,12 @@ import jsonschema
 import yaml
 
 from consulrun import calendar, unitescape
-from consulrun.durations import parse_duration
+from consulrun.durations import LOCK_DELAY_RANGE_MS, TTL_RANGE_MS, parse_duration
 from consulrun.errors import ManifestError
 from consulrun.yamlsource import Located, load
 
 SCHEMA: dict[str, Any] = json.loads(resources.files("consulrun").joinpath("manifest.schema.json").read_text())
 
-TTL_RANGE_MS = (10_000, 86_400_000)  # Consul's own bounds for a session TTL
-LOCK_DELAY_RANGE_MS = (1_000, 60_000)  # Consul caps lock-delay at 60s; 0 defeats fencing
 
 
 @dataclass(frozen=True)
@@ -212,7 +210,7 @@ def _semantic_checks(problems: _Problems, data: dict[str, Any]) -> None:
             _check_range(problems, path + ("ttl",), block["ttl"], TTL_RANGE_MS, "Consul accepts a session TTL from 10s to 24h")
         if isinstance(block.get("lock_delay"), str):
             _check_range(problems, path + ("lock_delay",), block["lock_delay"], LOCK_DELAY_RANGE_MS,
-                         "lock_delay must be 1s to 60s; 0 would let another node start before a partitioned holder stops")
+                         "lock_delay must be 5s to 60s; less would let another node start before a partitioned holder stops")
 
 
 def _lock(raw: dict[str, Any]) -> LockSettings:

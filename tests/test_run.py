@@ -1,0 +1,212 @@
+"""`consulrun run` against a real Consul agent: exclusivity, cheap losers, fencing, signals."""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import requests
+
+from tests.harness.agents import Agent, Cluster, wait_for
+
+pytestmark = pytest.mark.consul
+
+SKIP = 42  # a skip code no test job uses, so "skipped" is never confused with "ran"
+
+
+def consulrun(*args: str, env: dict[str, str] | None = None, netns: str | None = None,
+              **kwargs: object) -> subprocess.Popen[str]:
+    cmd = [sys.executable, "-m", "consulrun", *args]
+    if netns:
+        cmd = ["ip", "netns", "exec", netns, *cmd]
+    full_env = {**os.environ, **(env or {})}
+    full_env["PYTHONPATH"] = str(Path(__file__).resolve().parents[1])
+    return subprocess.Popen(cmd, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            **kwargs)  # type: ignore[call-overload]
+
+
+def finish(proc: subprocess.Popen[str], timeout: float = 60) -> tuple[int, str, str]:
+    out, err = proc.communicate(timeout=timeout)
+    return proc.returncode, out, err
+
+
+def lock_entry(agent: Agent, key: str) -> dict | None:
+    response = requests.get(f"{agent.url}/v1/kv/{key}", timeout=10)
+    if response.status_code == 404:
+        return None
+    response.raise_for_status()
+    return response.json()[0]
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", encoding="utf-8") as handle:
+            return handle.read().split(") ", 1)[1][0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_twenty_simultaneous_contenders_one_runs(consul: Agent, tmp_path: Path) -> None:
+    for round_no in range(5):
+        runs = tmp_path / f"runs-{round_no}"
+        procs = [consulrun("run", "--skip-exit-code", str(SKIP), "race", "--", "sh", "-c",
+                           f"echo $$ >> {runs}; sleep 1") for _ in range(20)]
+        results = [finish(p) for p in procs]
+        codes = sorted(code for code, _, _ in results)
+        assert codes == [0] + [SKIP] * 19, [(c, e) for c, _, e in results if c not in (0, SKIP)]
+        assert len(runs.read_text().split()) == 1
+        skipped_lines = [e for c, _, e in results if c == SKIP]
+        assert all("skipped:" in e for e in skipped_lines)
+        assert consul.get("session/list") == []
+
+
+def _raft_applied(agent: Agent) -> int:
+    return int(agent.get("agent/self")["Stats"]["raft"]["applied_index"])
+
+
+def test_loser_decides_with_reads_only(consul: Agent, tmp_path: Path) -> None:
+    started = tmp_path / "started"
+    holder = consulrun("run", "cheap", "--", "sh", "-c", f"touch {started}; sleep 30")
+    try:
+        wait_for(started.exists, 20, "the holder's job to start")
+        kv_index = int(consul.api("GET", "kv/consulrun/cheap/lock").headers["X-Consul-Index"])
+        sessions_index = int(consul.api("GET", "session/list").headers["X-Consul-Index"])
+        raft_before = _raft_applied(consul)
+        code, _, err = finish(consulrun("run", "--skip-exit-code", str(SKIP), "cheap", "--", "true"))
+        raft_after = _raft_applied(consul)
+        assert code == SKIP, err
+        assert "held by dev1" in err
+        assert raft_after == raft_before
+        assert int(consul.api("GET", "kv/consulrun/cheap/lock").headers["X-Consul-Index"]) == kv_index
+        assert int(consul.api("GET", "session/list").headers["X-Consul-Index"]) == sessions_index
+    finally:
+        holder.send_signal(signal.SIGTERM)
+        finish(holder)
+
+
+def test_lock_value_and_child_environment(consul: Agent, tmp_path: Path) -> None:
+    seen = tmp_path / "env.json"
+    script = (f"import json, os; json.dump({{k: v for k, v in os.environ.items() if k.startswith('CONSULRUN_')}}, "
+              f"open({str(seen)!r}, 'w'))")
+    code, _, err = finish(consulrun("run", "--prefix", "ops/cr", "envjob", "--", sys.executable, "-c", script))
+    assert code == 0, err
+    env = json.loads(seen.read_text())
+    assert env["CONSULRUN_JOB"] == "envjob"
+    assert env["CONSULRUN_LOCK_KEY"] == "ops/cr/envjob/lock"
+    entry = lock_entry(consul, "ops/cr/envjob/lock")
+    assert entry is not None and "Session" not in entry
+    value = json.loads(base64.b64decode(entry["Value"]))
+    assert value["state"] == "free"
+    assert value["last"]["node"] == "dev1" and value["last"]["exit_status"] == 0
+    assert value["last"]["session"] == env["CONSULRUN_SESSION"]
+    # The fencing token grows with every acquisition.
+    code, _, _ = finish(consulrun("run", "--prefix", "ops/cr", "envjob", "--", sys.executable, "-c", script))
+    assert code == 0
+    assert int(json.loads(seen.read_text())["CONSULRUN_FENCING_TOKEN"]) > int(env["CONSULRUN_FENCING_TOKEN"])
+
+
+def test_job_exit_status_passes_through(consul: Agent) -> None:
+    code, _, err = finish(consulrun("run", "status", "--", "sh", "-c", "exit 7"))
+    assert code == 7
+    assert "job exited with status 7" in err
+
+
+def test_session_destroyed_kills_whole_group(consul: Agent, tmp_path: Path) -> None:
+    pids = tmp_path / "pids"
+    holder = consulrun("run", "fenced", "--", "sh", "-c", f"sleep 300 & echo $$ $! > {pids}; wait")
+    wait_for(lambda: pids.exists() and len(pids.read_text().split()) == 2, 20, "the job and its grandchild")
+    shell, grandchild = (int(p) for p in pids.read_text().split())
+    session = lock_entry(consul, "consulrun/fenced/lock")["Session"]
+    consul.api("PUT", f"session/destroy/{session}")
+    code, _, err = finish(holder, timeout=30)
+    assert code == 75, err
+    assert "lock lost" in err
+    assert not pid_alive(shell) and not pid_alive(grandchild)
+
+
+def test_kill_9_of_wrapper_kills_child_and_lock_frees_after_ttl(consul: Agent, tmp_path: Path) -> None:
+    pids = tmp_path / "pid"
+    holder = consulrun("run", "--ttl", "10s", "orphan", "--", "sh", "-c", f"echo $$ > {pids}; exec sleep 300")
+    wait_for(lambda: pids.exists() and pids.read_text().strip(), 20, "the job to start")
+    child = int(pids.read_text())
+    holder.kill()
+    holder.wait()
+    wait_for(lambda: not pid_alive(child), 5, "the child to die with its wrapper")
+    # Consul may take up to twice the TTL to notice a session that is no longer renewed.
+    wait_for(lambda: "Session" not in (lock_entry(consul, "consulrun/orphan/lock") or {}), 25,
+             "the lock to be freed by TTL expiry")
+
+
+def test_consul_down_at_start_fails_closed(tmp_path: Path) -> None:
+    marker = tmp_path / "ran"
+    code, out, err = finish(consulrun("run", "down", "--", "touch", str(marker),
+                                      env={"CONSUL_HTTP_ADDR": "127.0.0.1:9"}))
+    assert code == 69
+    assert out == ""
+    assert err.count("\n") == 1 and "not reachable" in err
+    assert not marker.exists()
+
+
+def test_sigterm_while_waiting_exits_promptly_and_leaves_no_session(consul: Agent, tmp_path: Path) -> None:
+    started = tmp_path / "started"
+    holder = consulrun("run", "waitjob", "--", "sh", "-c", f"touch {started}; sleep 60")
+    try:
+        wait_for(started.exists, 20, "the holder's job")
+        waiter = consulrun("run", "--wait", "5m", "waitjob", "--", "true")
+        time.sleep(1)  # let the waiter reach its blocking query; there is nothing to poll from outside
+        assert waiter.poll() is None
+        waiter.send_signal(signal.SIGTERM)
+        code, _, err = finish(waiter, timeout=5)
+        assert code == 128 + signal.SIGTERM, err
+        assert "SIGTERM while waiting" in err
+        assert len(consul.get("session/list")) == 1
+    finally:
+        holder.send_signal(signal.SIGTERM)
+        code, _, err = finish(holder)
+    assert code == 128 + signal.SIGTERM  # forwarded to the job: sleep died of it
+    assert consul.get("session/list") == []
+
+
+def test_concurrency_three_of_ten(consul: Agent, tmp_path: Path) -> None:
+    log = tmp_path / "spans"
+    job = f"start=$(date +%s.%N); sleep 1; echo $start $(date +%s.%N) >> {log}"
+    procs = [consulrun("run", "--concurrency", "3", "--wait", "2m", "sem", "--", "sh", "-c", job) for _ in range(10)]
+    results = [finish(p, timeout=120) for p in procs]
+    assert [c for c, _, _ in results] == [0] * 10, [e for _, _, e in results]
+    spans = [tuple(map(float, line.split())) for line in log.read_text().splitlines()]
+    assert len(spans) == 10
+    events = sorted([(s, 1) for s, _ in spans] + [(e, -1) for _, e in spans], key=lambda x: (x[0], x[1]))
+    running = peak = 0
+    for _, delta in events:
+        running += delta
+        peak = max(peak, running)
+    assert peak == 3
+
+
+@pytest.mark.cluster
+def test_holder_agent_killed_job_dies_before_anyone_else_acquires(cluster: Cluster, tmp_path: Path) -> None:
+    beat = tmp_path / "beat"
+    node2, node3 = cluster.clients
+    env = {"CONSUL_HTTP_ADDR": "127.0.0.1:8500"}
+    holder = consulrun("run", "failover", "--", "sh", "-c", f"while true; do date +%s.%N > {beat}; sleep 0.05; done",
+                       env=env, netns=node2.netns)
+    wait_for(beat.exists, 20, "the job on node2")
+    took_over = tmp_path / "took-over"
+    node2.kill()
+    standby = consulrun("run", "--wait", "90s", "failover", "--", "sh", "-c", f"date +%s.%N > {took_over}",
+                        env=env, netns=node3.netns)
+    code, _, err = finish(holder, timeout=60)
+    assert code == 75, err
+    code3, _, err3 = finish(standby, timeout=120)
+    assert code3 == 0, err3
+    last_beat, started_elsewhere = float(beat.read_text()), float(took_over.read_text())
+    assert last_beat < started_elsewhere, (last_beat, started_elsewhere)
+    value = json.loads(base64.b64decode(lock_entry(node3, "consulrun/failover/lock")["Value"]))
+    assert value["last"]["node"] == "node3"
