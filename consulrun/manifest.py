@@ -133,6 +133,8 @@ def _schema_problem(err: jsonschema.ValidationError, problems: _Problems) -> Non
         problems.add(path + (err.instance,), f"{err.instance!r} {err.schema.get('x-message', 'is not allowed')}", key=True)
     elif kind == "pattern":
         problems.add(path, f"{err.instance!r} {err.schema.get('x-message', 'has the wrong form')}")
+    elif kind == "oneOf" and "x-message" in err.schema:
+        problems.add(path, f"{err.instance!r} {err.schema['x-message']}")
     elif kind == "oneOf":
         problems.add(path, f"must be a non-empty string or a non-empty list of strings, not {_describe(err.instance)}")
     elif kind in ("minimum", "maximum"):
@@ -146,10 +148,14 @@ def _schema_problem(err: jsonschema.ValidationError, problems: _Problems) -> Non
         problems.add(path, err.message)
 
 
-def _check_range(problems: _Problems, path: tuple[Any, ...], text: str, bounds: tuple[int, int], why: str) -> None:
-    ms = parse_duration(text)
-    if not bounds[0] <= ms <= bounds[1]:
-        problems.add(path, f"{text!r} is out of range: {why}")
+def _ms(value: str | int) -> int:
+    """A manifest duration: text as Consul/systemd write it, or a bare number of seconds."""
+    return value * 1000 if isinstance(value, int) else parse_duration(value)
+
+
+def _check_range(problems: _Problems, path: tuple[Any, ...], value: str | int, bounds: tuple[int, int], why: str) -> None:
+    if not bounds[0] <= _ms(value) <= bounds[1]:
+        problems.add(path, f"{value!r} is out of range: {why}")
 
 
 def _split_command(problems: _Problems, path: tuple[Any, ...], command: str | list[str]) -> tuple[str, ...]:
@@ -206,9 +212,9 @@ def _semantic_checks(problems: _Problems, data: dict[str, Any]) -> None:
     for path, block in lock_blocks:
         if not isinstance(block, dict):
             continue
-        if isinstance(block.get("ttl"), str):
+        if isinstance(block.get("ttl"), (str, int)) and not isinstance(block.get("ttl"), bool):
             _check_range(problems, path + ("ttl",), block["ttl"], TTL_RANGE_MS, "Consul accepts a session TTL from 10s to 24h")
-        if isinstance(block.get("lock_delay"), str):
+        if isinstance(block.get("lock_delay"), (str, int)) and not isinstance(block.get("lock_delay"), bool):
             _check_range(problems, path + ("lock_delay",), block["lock_delay"], LOCK_DELAY_RANGE_MS,
                          "lock_delay must be 5s to 60s; less would let another node start before a partitioned holder stops")
 
@@ -216,10 +222,10 @@ def _semantic_checks(problems: _Problems, data: dict[str, Any]) -> None:
 def _lock(raw: dict[str, Any]) -> LockSettings:
     base = LockSettings()
     return LockSettings(
-        ttl_ms=parse_duration(raw["ttl"]) if "ttl" in raw else base.ttl_ms,
-        lock_delay_ms=parse_duration(raw["lock_delay"]) if "lock_delay" in raw else base.lock_delay_ms,
+        ttl_ms=_ms(raw["ttl"]) if "ttl" in raw else base.ttl_ms,
+        lock_delay_ms=_ms(raw["lock_delay"]) if "lock_delay" in raw else base.lock_delay_ms,
         checks=tuple(raw.get("checks", base.checks)),
-        wait_ms=parse_duration(raw["wait"]) if "wait" in raw else base.wait_ms,
+        wait_ms=_ms(raw["wait"]) if "wait" in raw else base.wait_ms,
         concurrency=raw.get("concurrency", base.concurrency),
         skip_exit_code=raw.get("skip_exit_code", base.skip_exit_code),
     )
@@ -228,8 +234,8 @@ def _lock(raw: dict[str, Any]) -> LockSettings:
 def _timer(raw: dict[str, Any]) -> TimerSettings:
     base = TimerSettings()
     return TimerSettings(
-        accuracy_ms=parse_duration(raw["accuracy"]) if "accuracy" in raw else base.accuracy_ms,
-        randomized_delay_ms=parse_duration(raw["randomized_delay"]) if "randomized_delay" in raw else base.randomized_delay_ms,
+        accuracy_ms=_ms(raw["accuracy"]) if "accuracy" in raw else base.accuracy_ms,
+        randomized_delay_ms=_ms(raw["randomized_delay"]) if "randomized_delay" in raw else base.randomized_delay_ms,
         persistent=raw.get("persistent", base.persistent),
     )
 
@@ -250,7 +256,7 @@ def _build(source: str, data: dict[str, Any], problems: _Problems) -> Manifest:
             working_directory=raw.get("working_directory"),
             environment=tuple(sorted((k, str(v)) for k, v in raw.get("environment", {}).items())),
             environment_file=raw.get("environment_file"),
-            timeout_ms=parse_duration(raw["timeout"]) if "timeout" in raw else None,
+            timeout_ms=_ms(raw["timeout"]) if "timeout" in raw else None,
             lock=_lock({**defaults.get("lock", {}), **raw.get("lock", {})}),
             timer=_timer({**defaults.get("timer", {}), **raw.get("timer", {})}),
         ))

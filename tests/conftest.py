@@ -11,11 +11,15 @@ import re
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
 from tests.harness.agents import Agent, Cluster, consul_binary, save_logs, start_cluster, start_dev_agent
 from tests.harness.netns import Network
+
+if TYPE_CHECKING:
+    from tests.harness.nspawn import Container
 
 REPO = Path(__file__).resolve().parents[1]
 ARTIFACTS = REPO / "test-artifacts"
@@ -116,3 +120,22 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         if reporter:
             reporter.write_line(f"FAILED: {len(skipped)} test(s) skipped; this suite treats a skip as a failure",
                                 red=True)
+
+
+@pytest.fixture(scope="session")
+def systemd_container(tmp_path_factory: pytest.TempPathFactory) -> Iterator["Container"]:
+    """One booted systemd container (real PID 1) in its own network namespace, shared by the session."""
+    from tests.harness.nspawn import Container
+
+    require_tool("systemd-nspawn")
+    require_tool("nsenter")
+    if os.geteuid() != 0:
+        pytest.fail("booting a systemd container needs root", pytrace=False)
+    network = Network(1, subnet="10.213.78.0/24", tag="s").up()
+    container = Container(f"crt{os.getpid() % 100000}", tmp_path_factory.mktemp("nspawn"), netns=network.namespace(0))
+    try:
+        container.start()
+        yield container
+    finally:
+        container.stop()
+        network.down()

@@ -18,12 +18,12 @@ def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
 class Network:
     """`count` namespaces on `subnet`: node i gets host address .(11 + i), the bridge .1."""
 
-    def __init__(self, count: int, subnet: str = "10.213.77.0/24") -> None:
+    def __init__(self, count: int, subnet: str = "10.213.77.0/24", tag: str = "c") -> None:
         self.count = count
         self.net = ipaddress.ip_network(subnet)
-        tag = f"{os.getpid() % 100000}"
-        self.bridge = f"crbr{tag}"
-        self.names = [f"crn{i + 1}-{tag}" for i in range(count)]
+        self.tag = f"{tag}{os.getpid() % 100000}"
+        self.bridge = f"crbr{self.tag}"
+        self.names = [f"crn{i + 1}-{self.tag}" for i in range(count)]
         self.created: list[tuple[str, str]] = []
 
     def address(self, index: int) -> str:
@@ -33,7 +33,7 @@ class Network:
         return self.names[index]
 
     def veth(self, index: int) -> str:
-        return f"crv{index + 1}-{self.bridge[4:]}"
+        return f"crv{index + 1}-{self.tag}"
 
     def up(self) -> "Network":
         routes = _ip("route", "show", str(self.net)).stdout.strip()

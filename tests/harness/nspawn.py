@@ -1,0 +1,114 @@
+"""Real systemd as PID 1 of a container: systemd-nspawn --boot on an overlay of the host's root.
+
+The container sees the host's own files (so the same Python, consulrun and
+Consul binary), writes into a throw-away upper layer, lives in its own network
+namespace and its own cgroup, and is driven with `nsenter ... systemctl`.
+Host device nodes are never bound in.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+CGROUP_ROOTS = [Path("/sys/fs/cgroup/systemd"), Path("/sys/fs/cgroup/unified")]
+# Units the host image enables that a test container has no use for; masked to keep boots fast.
+MASKED = ["postgresql.service", "postgresql@.service", "apt-daily.timer", "apt-daily-upgrade.timer",
+          "man-db.timer", "e2scrub_all.timer", "fstrim.timer", "dpkg-db-backup.timer", "e2scrub_reap.service",
+          "systemd-timesyncd.service", "console-getty.service", "getty@.service"]
+
+
+def _cgroup_dirs(name: str) -> list[Path]:
+    roots = [r for r in CGROUP_ROOTS if r.is_dir()] or [Path("/sys/fs/cgroup")]
+    return [root / f"consulrun-test-{name}" for root in roots]
+
+
+class Container:
+    """One booted container; `shared` on the host is `/shared` inside."""
+
+    def __init__(self, name: str, workdir: Path, netns: str | None = None) -> None:
+        self.name = name
+        self.dir = workdir / f"ctr-{name}"
+        self.netns = netns
+        self.shared = self.dir / "shared"
+        self.merged = self.dir / "merged"
+        self.console = self.dir / "console.log"
+        self.process: subprocess.Popen[bytes] | None = None
+        self.pid1: int | None = None
+
+    def _prepare(self) -> None:
+        upper, work = self.dir / "upper", self.dir / "work"
+        for path in (upper / "dev", upper / "run", upper / "etc" / "systemd" / "system", work, self.merged,
+                     self.shared):
+            path.mkdir(parents=True, exist_ok=True)
+        for unit in MASKED:
+            (upper / "etc" / "systemd" / "system" / unit).symlink_to("/dev/null")
+        (upper / "etc" / "hostname").write_text(f"{self.name}\n")
+        subprocess.run(["mount", "-t", "overlay", "overlay", "-o",
+                        f"lowerdir=/,upperdir={upper},workdir={work}", str(self.merged)], check=True)
+
+    def start(self, timeout: float = 90) -> "Container":
+        if not shutil.which("systemd-nspawn"):
+            raise RuntimeError("systemd-nspawn is missing (Debian package systemd-container)")
+        self._prepare()
+        cgroups = _cgroup_dirs(self.name)
+        for path in cgroups:
+            path.mkdir(exist_ok=True)
+
+        def enter_cgroup() -> None:
+            for path in cgroups:
+                (path / "cgroup.procs").write_text(str(os.getpid()))
+
+        cmd = ["systemd-nspawn", "--boot", "--register=no", "--keep-unit", "--quiet", "-D", str(self.merged),
+               "-M", self.name, f"--bind={self.shared}:/shared", "--console=passive"]
+        if self.netns:
+            cmd.append(f"--network-namespace-path=/run/netns/{self.netns}")
+        with self.console.open("wb") as log:
+            self.process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                            preexec_fn=enter_cgroup)  # noqa: PLW1509 - no threads here
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"container {self.name} exited early:\n{self.console.read_text()[-3000:]}")
+            children = subprocess.run(["pgrep", "-P", str(self.process.pid)], capture_output=True, text=True)
+            if children.stdout.strip():
+                self.pid1 = int(children.stdout.split()[0])
+                state = self.exec("systemctl", "is-system-running", "--wait", check=False, timeout=timeout)
+                if state.stdout.strip() in ("running", "degraded"):
+                    return self
+            time.sleep(0.2)
+        raise RuntimeError(f"container {self.name} did not boot in {timeout}s:\n{self.console.read_text()[-3000:]}")
+
+    def exec(self, *cmd: str, check: bool = True, timeout: float = 60,
+             env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+        """Run a command inside the container (all its namespaces)."""
+        assert self.pid1 is not None, "container not started"
+        prefix = ["nsenter", "-t", str(self.pid1), "-a", "--"]
+        if env:
+            prefix += ["env", *[f"{k}={v}" for k, v in env.items()]]
+        result = subprocess.run(prefix + list(cmd), capture_output=True, text=True, timeout=timeout)
+        if check and result.returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd)} failed in {self.name} ({result.returncode}): {result.stderr}")
+        return result
+
+    def systemctl(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+        return self.exec("systemctl", *args, check=check)
+
+    def stop(self) -> None:
+        if self.process and self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)  # nspawn asks the container's systemd to power off
+            try:
+                self.process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(timeout=10)
+        subprocess.run(["umount", str(self.merged)], capture_output=True)
+        for path in _cgroup_dirs(self.name):
+            for sub in sorted((p for p in path.rglob("*") if p.is_dir()), key=lambda p: len(p.parts), reverse=True):
+                sub.rmdir()
+            if path.exists():
+                path.rmdir()
