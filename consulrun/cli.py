@@ -9,7 +9,6 @@ from __future__ import annotations
 import difflib
 import logging
 import os
-import re
 import shutil
 import sys
 from pathlib import Path
@@ -18,12 +17,9 @@ import click
 
 from consulrun import __version__
 from consulrun.errors import ExitCode, NotImplementedYet, OutputError, UsageError
-from consulrun.lock import LockSpec
 from consulrun.durations import LOCK_DELAY_RANGE_MS, TTL_RANGE_MS
-from consulrun.manifest import SCHEMA, load_manifest
 from consulrun.options import Duration, consul_config, consul_options
-from consulrun.render import is_generated, render, write_units
-from consulrun.runner import RunRequest, run as run_job
+from consulrun.schema import name_problem
 
 EXIT_CODES_HELP = """
 \b
@@ -75,6 +71,9 @@ def main() -> None:
               help="Absolute path of consulrun as the units' ExecStart= calls it.")
 def generate(manifest: Path, output: str, check: bool, templates: Path | None, consulrun_path: str) -> None:
     """Render MANIFEST into <prefix>-<job>.service/.timer files."""
+    from consulrun.manifest import load_manifest  # imported here: `run` should not pay for the validator
+    from consulrun.render import render, write_units
+
     units = render(load_manifest(manifest), consulrun_path, templates)
     if output == "-":
         for name, text in units.items():
@@ -94,6 +93,8 @@ def generate(manifest: Path, output: str, check: bool, templates: Path | None, c
 
 
 def _diff(units: dict[str, str], outdir: Path) -> str:
+    from consulrun.render import is_generated
+
     present = {p.name for p in outdir.glob("*") if p.suffix in (".service", ".timer") and is_generated(p)} \
         if outdir.is_dir() else set()
     chunks = []
@@ -141,15 +142,18 @@ def run(job: str, command: tuple[str, ...], prefix: str, ttl: int, lock_delay: i
     Its own exit status is passed through. If the lock cannot be confirmed,
     the job's whole process group is killed and the status is 75.
     """
-    name_rule = SCHEMA["$defs"]["name"]
-    if not re.fullmatch(name_rule["pattern"], job):
-        raise UsageError(f"job name {job!r} {name_rule['x-message']}")
+    problem = name_problem(job)
+    if problem:
+        raise UsageError(problem)
     _in_range("ttl", ttl, TTL_RANGE_MS)
     _in_range("lock-delay", lock_delay, LOCK_DELAY_RANGE_MS)
     if command and command[0] == "--":
         command = command[1:]
     if not command:
         raise UsageError("no command given: consulrun run JOB -- COMMAND [ARG]...")
+    from consulrun.lock import LockSpec  # imported here: `generate` should not pay for the Consul client
+    from consulrun.runner import RunRequest, run as run_job
+
     spec = LockSpec(job=job, prefix=prefix, ttl_ms=ttl, lock_delay_ms=lock_delay, checks=checks, wait_ms=wait,
                     concurrency=concurrency)
     _setup_logging()

@@ -223,7 +223,7 @@ class Watcher(threading.Thread):
         self.fencing = fencing
         self.last_confirmed = held.confirmed_at
         self.lost_reason: str | None = None
-        self.changed = threading.Event()
+        self.wakeup, self._wake_writer = os.pipe()  # readable end: select() on it to hear of changes
         self._stop_event = threading.Event()
 
     def stop(self) -> None:
@@ -231,7 +231,8 @@ class Watcher(threading.Thread):
 
     def _lose(self, reason: str) -> None:
         self.lost_reason = reason
-        self.changed.set()
+        if not self._stop_event.is_set():
+            os.write(self._wake_writer, b"!")
 
     def run(self) -> None:
         index = self.held.index

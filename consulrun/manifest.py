@@ -9,10 +9,8 @@ ranges, calendar syntax and whether a value can be written to a unit file.
 from __future__ import annotations
 
 import difflib
-import json
 import shlex
 from dataclasses import dataclass
-from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -22,9 +20,9 @@ import yaml
 from consulrun import calendar, unitescape
 from consulrun.durations import LOCK_DELAY_RANGE_MS, TTL_RANGE_MS, parse_duration
 from consulrun.errors import ManifestError
+from consulrun.schema import SCHEMA
 from consulrun.yamlsource import Located, load
 
-SCHEMA: dict[str, Any] = json.loads(resources.files("consulrun").joinpath("manifest.schema.json").read_text())
 
 
 

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
-from consulrun.consulapi import ConsulConfig
 from consulrun.durations import DurationError, parse_duration
+
+if TYPE_CHECKING:
+    from consulrun.consulapi import ConsulConfig
 
 
 class Duration(click.ParamType):
@@ -46,8 +48,10 @@ def consul_options(func: Callable[..., Any]) -> Callable[..., Any]:
     return func
 
 
-def consul_config(kwargs: dict[str, Any]) -> ConsulConfig:
+def consul_config(kwargs: dict[str, Any]) -> "ConsulConfig":
     """Build the config from the options (which already fell back to the environment) and the rest of the env."""
+    from consulrun.consulapi import ConsulConfig  # the Consul client is imported only by commands that use it
+
     return ConsulConfig.from_env(
         address=kwargs.pop("http_addr"), token_file=kwargs.pop("token_file"), ca_file=kwargs.pop("ca_file"),
         client_cert=kwargs.pop("client_cert"), client_key=kwargs.pop("client_key"),

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import select
 import shutil
 import signal
 import time
@@ -56,21 +57,32 @@ class _Signals:
 
 
 def _supervise(job: Job, watcher: Watcher, fencing: Fencing, name: str) -> tuple[int, str | None]:
-    """Wait for the job while the watcher confirms the lock; kill the group as soon as it may be lost."""
-    while True:
-        status = job.poll()
-        if status is not None:
-            return status, None
-        reason = watcher.lost_reason
-        unconfirmed = time.monotonic() - watcher.last_confirmed
-        if reason is None and unconfirmed > fencing.fence_after_s:
-            reason = (f"lock not confirmed for {unconfirmed:.1f}s; another node may acquire it "
-                      f"{fencing.fence_after_s + fencing.grace_s + 1:.0f}s after the last confirmation")
-        if reason:
-            log.error("%s: lock lost: %s; killing the job's process group", name, reason)
-            job.kill_group(fencing.grace_s)
-            return ExitCode.LOCK_LOST, reason
-        watcher.changed.wait(0.05)
+    """Wait for the job while the watcher confirms the lock; kill the group as soon as it may be lost.
+
+    Sleeps in select() on the job's pidfd and the watcher's wake-up pipe, so a job
+    exit or a lost lock is acted on at once, and the fencing deadline bounds every sleep.
+    """
+    pidfd = os.pidfd_open(job.pgid)
+    try:
+        while True:
+            status = job.poll()
+            if status is not None:
+                return status, None
+            reason = watcher.lost_reason
+            unconfirmed = time.monotonic() - watcher.last_confirmed
+            if reason is None and unconfirmed > fencing.fence_after_s:
+                reason = (f"lock not confirmed for {unconfirmed:.1f}s; another node may acquire it "
+                          f"{fencing.fence_after_s + fencing.grace_s + 1:.0f}s after the last confirmation")
+            if reason:
+                log.error("%s: lock lost: %s; killing the job's process group", name, reason)
+                job.kill_group(fencing.grace_s)
+                return ExitCode.LOCK_LOST, reason
+            timeout = max(0.0, fencing.fence_after_s - unconfirmed) + 0.01
+            readable, _, _ = select.select([pidfd, watcher.wakeup], [], [], timeout)
+            if watcher.wakeup in readable:
+                os.read(watcher.wakeup, 64)
+    finally:
+        os.close(pidfd)
 
 
 def _job_environment(held: Held, spec: LockSpec) -> dict[str, str]:
