@@ -277,6 +277,11 @@ def parse_manifest(text: str, source: str) -> Manifest:
         raise ManifestError([f"{where}: YAML syntax error: {exc.problem or exc}"]) from None
     except yaml.YAMLError as exc:
         raise ManifestError([f"{source}: YAML error: {exc}"]) from None
+    return validate(located, source)
+
+
+def validate(located: Located, source: str) -> Manifest:
+    """Check parsed data (with its positions) against the schema and the rules a schema cannot state."""
     problems = _Problems(source, located)
     for pos, message in located.problems:
         problems.lines.append((pos, f"{source}:{pos[0]}:{pos[1]}: {message}"))

@@ -58,6 +58,8 @@ def escape(value: str, context: Context) -> str:
             raise UnrepresentableError("contains a newline or another control character")
         if value != value.strip():
             raise UnrepresentableError("has leading or trailing whitespace")
+        if value.endswith("\\"):
+            raise UnrepresentableError("ends with a backslash, which systemd reads as a line continuation")
         return value.replace("%", "%%")
     text = value if _SAFE_WORD.fullmatch(value) else _quote(value)
     text = text.replace("%", "%%")
