@@ -6,7 +6,9 @@ tests compare it with `systemd-analyze calendar`, the reference.
 
 from __future__ import annotations
 
-from datetime import datetime, timezone
+import os
+from datetime import datetime, timedelta, timezone, tzinfo
+from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 import oncalendar
 
@@ -28,3 +30,57 @@ def validate(spec: str) -> None:
         if "." in spec:
             raise CalendarError(f"{spec!r}: fractional seconds are not supported; occurrences are whole seconds") from None
         raise CalendarError(f"{spec!r} is not a valid calendar expression: {exc}") from None
+
+
+LOOKBACK_START = timedelta(minutes=2)
+LOOKBACK_MAX = timedelta(days=366 * 500)  # "Mon *-02-29" recurs every 28 years
+
+
+def local_zone() -> tzinfo:
+    """The zone systemd evaluates specs without a zone in: $TZ, else /etc/localtime, else UTC."""
+    name = os.environ.get("TZ", "").lstrip(":")
+    try:
+        if name:
+            return ZoneInfo(name)
+        with open("/etc/localtime", "rb") as handle:
+            return ZoneInfo.from_file(handle, key="localtime")
+    except (OSError, ValueError, ZoneInfoNotFoundError):
+        return timezone.utc
+
+
+def _iterate(specs: list[str], start: datetime) -> oncalendar.OnCalendar:
+    return oncalendar.OnCalendar("\n".join(specs), start.astimezone(local_zone()))
+
+
+def previous(specs: list[str], now: datetime) -> datetime | None:
+    """The latest scheduled time of any of `specs` at or before `now` (UTC), or None if there is none.
+
+    The iterator only goes forward, so look back over a window that widens
+    until it holds an occurrence: a minutely spec is found in the first window,
+    a yearly one after a few widenings.
+    """
+    now = now.astimezone(timezone.utc)
+    window = LOOKBACK_START
+    while window <= LOOKBACK_MAX:
+        latest = None
+        for when in _iterate(specs, now - window):
+            if when > now:
+                break
+            latest = when
+        if latest is not None:
+            return latest.astimezone(timezone.utc)
+        window *= 8
+    return None
+
+
+def following(specs: list[str], after: datetime) -> datetime | None:
+    """The first scheduled time strictly after `after` (UTC), or None if the schedule has ended."""
+    for when in _iterate(specs, after.astimezone(timezone.utc)):
+        if when > after:
+            return when.astimezone(timezone.utc)
+    return None
+
+
+def occurrence_id(when: datetime) -> str:
+    """A sortable, human-readable name for a scheduled time: 2026-11-29T02:00:00Z."""
+    return when.astimezone(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")

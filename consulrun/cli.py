@@ -127,11 +127,19 @@ def _in_range(name: str, ms: int, bounds: tuple[int, int]) -> None:
               help="How many nodes may run the job at once.")
 @click.option("--skip-exit-code", type=click.IntRange(0, 255), default=0, show_default=True,
               help="Exit status when the lock is held elsewhere and the job is skipped.")
+@click.option("--schedule", "schedules", multiple=True, metavar="SPEC",
+              help="The timer's OnCalendar= spec (repeatable): run each scheduled occurrence on one node only.")
+@click.option("--on-holder-loss", type=click.Choice(["skip", "retry"]), default="skip", show_default=True,
+              help="With --schedule: if an occurrence's runner dies mid-job, skip it (at most once) "
+                   "or let a standby run it again (at least once).")
+@click.option("--history", type=click.IntRange(1, 1000), default=20, show_default=True,
+              help="With --schedule: how many past occurrences to keep in <prefix>/<JOB>/history/.")
 @consul_options
 @click.argument("job")
 @click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
 def run(job: str, command: tuple[str, ...], prefix: str, ttl: int, lock_delay: int, checks: tuple[str, ...],
-        wait: int, concurrency: int, skip_exit_code: int, **consul: str | None) -> None:
+        wait: int, concurrency: int, skip_exit_code: int, schedules: tuple[str, ...], on_holder_loss: str,
+        history: int, **consul: str | None) -> None:
     """Run COMMAND for JOB on this node only if this node gets JOB's Consul lock.
 
     \b
@@ -147,6 +155,15 @@ def run(job: str, command: tuple[str, ...], prefix: str, ttl: int, lock_delay: i
         raise UsageError(problem)
     _in_range("ttl", ttl, TTL_RANGE_MS)
     _in_range("lock-delay", lock_delay, LOCK_DELAY_RANGE_MS)
+    if schedules and concurrency != 1:
+        raise UsageError("--schedule runs each occurrence once; it cannot be combined with --concurrency")
+    for spec_text in schedules:
+        from consulrun.calendar import CalendarError, validate
+
+        try:
+            validate(spec_text)
+        except CalendarError as exc:
+            raise UsageError(f"--schedule: {exc}") from None
     if command and command[0] == "--":
         command = command[1:]
     if not command:
@@ -157,7 +174,9 @@ def run(job: str, command: tuple[str, ...], prefix: str, ttl: int, lock_delay: i
     spec = LockSpec(job=job, prefix=prefix, ttl_ms=ttl, lock_delay_ms=lock_delay, checks=checks, wait_ms=wait,
                     concurrency=concurrency)
     _setup_logging()
-    sys.exit(run_job(RunRequest(spec=spec, command=command, skip_exit_code=skip_exit_code), consul_config(consul)))
+    request = RunRequest(spec=spec, command=command, skip_exit_code=skip_exit_code, schedules=schedules,
+                         on_holder_loss=on_holder_loss, history=history)
+    sys.exit(run_job(request, consul_config(consul)))
 
 
 def _setup_logging() -> None:

@@ -7,6 +7,7 @@ a `requests` or `consul` exception.
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import urllib.parse
@@ -83,6 +84,14 @@ class ConsulConfig:
             except OSError as exc:
                 raise UsageError(f"cannot read Consul token file {self.token_file}: {exc.strerror}") from None
         return None
+
+
+def kv_op(verb: str, key: str, value: dict[str, Any] | None = None, **extra: Any) -> dict[str, Any]:
+    """One KV operation of a Consul transaction, its value as JSON."""
+    op: dict[str, Any] = {"Verb": verb, "Key": key, **extra}
+    if value is not None:
+        op["Value"] = base64.b64encode(json.dumps(value, sort_keys=True).encode()).decode()
+    return {"KV": op}
 
 
 @contextmanager
@@ -171,6 +180,19 @@ class Client:
     def kv_delete(self, key: str, *, recurse: bool = False) -> None:
         with self._translated(f"deleting {key}"):
             self._api.kv.delete(key, recurse=recurse or None)
+
+    def txn(self, ops: list[dict[str, Any]]) -> list[dict[str, Any]] | None:
+        """Apply `ops` atomically; the results, or None if Consul rolled the transaction back."""
+
+        def answer(response: Any) -> list[dict[str, Any]] | None:
+            if response.code == 409:
+                return None
+            consul.callback.CB._status(response)  # noqa: SLF001 - py-consul's own status mapping
+            return json.loads(response.body).get("Results") or []
+
+        # py-consul's txn.put sends no ACL token; the raw call with our headers does.
+        with self._translated("applying a transaction"):
+            return self._api.http.put(answer, "/v1/txn", headers=self._api.prepare_headers(), data=json.dumps(ops))
 
     def session_create(self, *, name: str, ttl_ms: int, lock_delay_ms: int,
                        node_checks: list[str], service_checks: list[str]) -> str:

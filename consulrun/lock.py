@@ -21,10 +21,10 @@ import threading
 import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
-from typing import Any
+from typing import Any, Callable
 
 from consulrun import __version__
-from consulrun.consulapi import Client
+from consulrun.consulapi import Client, kv_op
 from consulrun.durations import LOCK_DELAY_RANGE_MS
 from consulrun.errors import ConsulrunError, UsageError
 
@@ -83,6 +83,10 @@ class Held:
     confirmed_at: float  # monotonic time the confirming read was sent
 
 
+# Given the holder value about to be written, the operations to apply atomically with the acquisition.
+Claim = Callable[[dict[str, Any]], list[dict[str, Any]]]
+
+
 class Interrupted(BaseException):
     """A termination signal arrived while no job was running yet."""
 
@@ -91,7 +95,7 @@ class Interrupted(BaseException):
         self.signum = signum
 
 
-def _now() -> str:
+def now_iso() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="seconds").replace("+00:00", "Z")
 
 
@@ -127,7 +131,7 @@ class Locker:
         self.session: str | None = None
         self.node: str | None = None
 
-    def _entries(self, index: int | None = None, wait_s: float | None = None) -> tuple[int, dict[str, dict[str, Any]]]:
+    def entries(self, index: int | None = None, wait_s: float | None = None) -> tuple[int, dict[str, dict[str, Any]]]:
         if self.spec.concurrency == 1:
             idx, entry = self.client.kv_get(self.spec.keys()[0], index=index, wait_s=wait_s)
             return idx, ({entry["Key"]: entry} if entry else {})
@@ -137,7 +141,7 @@ class Locker:
     def _holder_value(self) -> dict[str, Any]:
         value = {"job": self.spec.job, "node": self.node, "host": socket.gethostname(), "pid": os.getpid(),
                  "unit": _systemd_unit(), "invocation_id": os.environ.get("INVOCATION_ID"),
-                 "started": _now(), "session": self.session, "consulrun_version": __version__}
+                 "started": now_iso(), "session": self.session, "consulrun_version": __version__}
         return {k: v for k, v in value.items() if v is not None}
 
     def _create_session(self) -> str:
@@ -156,21 +160,31 @@ class Locker:
             lock_delay_ms=self.spec.lock_delay_ms, node_checks=node_checks, service_checks=service_checks)
         return self.session
 
-    def try_once(self, entries: dict[str, dict[str, Any]]) -> Held | None:
-        """Acquire a free slot seen in `entries`; None if all were taken (after cleaning up our session)."""
+    def try_once(self, entries: dict[str, dict[str, Any]], claim: Claim | None = None,
+                 keep_session: bool = False) -> Held | None:
+        """Acquire a free slot seen in `entries`; None if all were taken (cleaning up our session unless kept).
+
+        With `claim`, its operations are applied in the same transaction as the
+        acquisition, so the lock and the claim are taken together or not at all.
+        """
         free = [key for key in self.spec.keys() if not entries.get(key, {}).get("Session")]
         if not free:
             return None
         session = self.session or self._create_session()
         for key in free:
             value = self._holder_value()
-            if self.client.kv_acquire(key, json.dumps(value, sort_keys=True), session):
+            if claim is None:
+                acquired = self.client.kv_acquire(key, json.dumps(value, sort_keys=True), session)
+            else:
+                acquired = self.client.txn([kv_op("lock", key, value, Session=session), *claim(value)]) is not None
+            if acquired:
                 sent = time.monotonic()
                 idx, entry = self.client.kv_get(key, consistent=True)
                 if entry and entry.get("Session") == session:
                     return Held(key=key, session=session, fencing_token=int(entry["ModifyIndex"]), index=idx,
                                 value=value, confirmed_at=sent)
-        self.abandon()
+        if not keep_session:
+            self.abandon()
         return None
 
     def acquire(self) -> tuple[Held | None, str]:
@@ -179,7 +193,7 @@ class Locker:
         index: int | None = None
         while True:
             remaining = deadline - time.monotonic()
-            index, entries = self._entries(index=index, wait_s=remaining if index else None)
+            index, entries = self.entries(index=index, wait_s=remaining if index else None)
             held = self.try_once(entries)
             if held:
                 return held, ""
@@ -191,11 +205,19 @@ class Locker:
                 time.sleep(min(0.5, max(0.0, deadline - time.monotonic())))
                 index = None
 
-    def release(self, held: Held, outcome: dict[str, Any]) -> None:
-        """Free the key (recording how the run ended in its value) and destroy the session."""
-        value = {"state": "free", "last": {**held.value, **outcome, "ended": _now()}}
+    def release(self, held: Held, outcome: dict[str, Any], extra_ops: list[dict[str, Any]] | None = None) -> None:
+        """Free the key (recording how the run ended in its value) and destroy the session.
+
+        `extra_ops` are applied in the same transaction, which Consul rolls back
+        if the lock is no longer ours.
+        """
+        value = {"state": "free", "last": {**held.value, **outcome, "ended": now_iso()}}
         try:
-            self.client.kv_release(held.key, json.dumps(value, sort_keys=True), held.session)
+            if extra_ops:
+                if self.client.txn([kv_op("unlock", held.key, value, Session=held.session), *extra_ops]) is None:
+                    log.warning("%s: the lock was no longer ours; the run's result was not recorded", self.spec.job)
+            else:
+                self.client.kv_release(held.key, json.dumps(value, sort_keys=True), held.session)
         except ConsulrunError as exc:
             log.warning("%s: could not release %s (%s); the session's invalidation will free it", self.spec.job,
                         held.key, exc)

@@ -67,6 +67,8 @@ class Job:
     timeout_ms: int | None
     lock: LockSettings
     timer: TimerSettings
+    on_holder_loss: str = "skip"
+    history: int = 20
 
 
 @dataclass(frozen=True)
@@ -135,6 +137,8 @@ def _schema_problem(err: jsonschema.ValidationError, problems: _Problems) -> Non
         problems.add(path, f"{err.instance!r} {err.schema['x-message']}")
     elif kind == "oneOf":
         problems.add(path, f"must be a non-empty string or a non-empty list of strings, not {_describe(err.instance)}")
+    elif kind == "enum":
+        problems.add(path, f"{err.instance!r} {err.schema.get('x-message', 'is not allowed')}")
     elif kind in ("minimum", "maximum"):
         bounds = err.schema
         problems.add(path, f"must be between {bounds.get('minimum')} and {bounds.get('maximum')}, not {err.instance}")
@@ -257,6 +261,8 @@ def _build(source: str, data: dict[str, Any], problems: _Problems) -> Manifest:
             timeout_ms=_ms(raw["timeout"]) if "timeout" in raw else None,
             lock=_lock({**defaults.get("lock", {}), **raw.get("lock", {})}),
             timer=_timer({**defaults.get("timer", {}), **raw.get("timer", {})}),
+            on_holder_loss=raw.get("on_holder_loss", defaults.get("on_holder_loss", "skip")),
+            history=raw.get("history", defaults.get("history", 20)),
         ))
     return Manifest(
         source=source,

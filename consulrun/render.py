@@ -62,6 +62,10 @@ def run_argv(manifest: Manifest, job: Job, consulrun_path: str) -> list[str]:
             "--skip-exit-code", str(lock.skip_exit_code)]
     for check in lock.checks:
         argv += ["--check", check]
+    if lock.concurrency == 1:  # one run per occurrence; with several holders the timer's firing is the unit
+        for spec in job.schedules:
+            argv += ["--schedule", spec]
+        argv += ["--on-holder-loss", job.on_holder_loss, "--history", str(job.history)]
     return argv + [job.name, "--", *job.command]
 
 

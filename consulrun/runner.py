@@ -15,12 +15,14 @@ import shutil
 import signal
 import time
 from dataclasses import dataclass
+from datetime import datetime, timezone
 from types import FrameType
 
 from consulrun.child import Job, become_subreaper
 from consulrun.consulapi import Client, ConsulConfig
-from consulrun.errors import ExitCode, JobNotStarted
-from consulrun.lock import Fencing, Held, Interrupted, Locker, LockSpec, Watcher
+from consulrun import occurrence
+from consulrun.errors import ExitCode, JobNotStarted, UsageError
+from consulrun.lock import Fencing, Held, Interrupted, Locker, LockSpec, Watcher, now_iso as _now
 
 log = logging.getLogger("consulrun")
 
@@ -32,6 +34,9 @@ class RunRequest:
     spec: LockSpec
     command: tuple[str, ...]
     skip_exit_code: int = 0
+    schedules: tuple[str, ...] = ()  # with schedules, each occurrence runs once (occurrence.py)
+    on_holder_loss: str = "skip"
+    history: int = 20
 
 
 class _Signals:
@@ -85,10 +90,12 @@ def _supervise(job: Job, watcher: Watcher, fencing: Fencing, name: str) -> tuple
         os.close(pidfd)
 
 
-def _job_environment(held: Held, spec: LockSpec) -> dict[str, str]:
+def _job_environment(held: Held, spec: LockSpec, claim: dict[str, object] | None) -> dict[str, str]:
     env = dict(os.environ)
     env.update({"CONSULRUN_JOB": spec.job, "CONSULRUN_SESSION": held.session, "CONSULRUN_LOCK_KEY": held.key,
                 "CONSULRUN_FENCING_TOKEN": str(held.fencing_token)})
+    if claim:
+        env["CONSULRUN_OCCURRENCE"] = str(claim["occurrence"])
     return env
 
 
@@ -103,7 +110,15 @@ def run(request: RunRequest, config: ConsulConfig) -> int:
     signals = _Signals()
     try:
         try:
-            held, why = locker.acquire()
+            ledger, claim = None, None
+            if request.schedules:
+                occ = occurrence.current(list(request.schedules), datetime.now(timezone.utc))
+                if occ is None:
+                    raise UsageError("the schedule has no occurrence at or before now; nothing to run")
+                ledger = occurrence.Ledger(client, spec.base, request.history)
+                held, claim, why = occurrence.acquire(locker, ledger, occ, request.on_holder_loss, spec.wait_ms / 1000)
+            else:
+                held, why = locker.acquire()
         except Interrupted as exc:
             log.info("%s: %s while waiting for the lock; not running", spec.job, signal.Signals(exc.signum).name)
             locker.abandon()
@@ -114,30 +129,36 @@ def run(request: RunRequest, config: ConsulConfig) -> int:
         if held is None:
             log.info("%s: skipped: %s", spec.job, why)
             return request.skip_exit_code
-        return _run_held(request, locker, held, fencing, signals)
+        return _run_held(request, locker, held, fencing, signals, ledger, claim)
     finally:
         signals.restore()
 
 
-def _run_held(request: RunRequest, locker: Locker, held: Held, fencing: Fencing, signals: _Signals) -> int:
+def _run_held(request: RunRequest, locker: Locker, held: Held, fencing: Fencing, signals: _Signals,
+              ledger: occurrence.Ledger | None, claim: dict[str, object] | None) -> int:
     spec = request.spec
-    log.info("%s: acquired %s (session %s, fencing token %d)", spec.job, held.key, held.session, held.fencing_token)
+    which = ""
+    if claim:
+        which = f" for occurrence {claim['occurrence']}" + (" (taking over from a dead runner)" if claim["takeover"] else "")
+    log.info("%s: acquired %s%s (session %s, fencing token %d)", spec.job, held.key, which, held.session,
+             held.fencing_token)
     watcher = Watcher(locker.client, spec, held, fencing)
     outcome: dict[str, object] = {}
     try:
         become_subreaper()
-        job = Job(list(request.command), _job_environment(held, spec))
+        job = Job(list(request.command), _job_environment(held, spec, claim))
         signals.job = job
         watcher.start()
         status, lost = _supervise(job, watcher, fencing, spec.job)
         if not lost and job.group_alive():
             log.warning("%s: the job exited but left processes in its group; stopping them", spec.job)
             job.kill_group(fencing.grace_s)
-        outcome = {"exit_status": status, **({"lost": lost} if lost else {})}
+        outcome = {"exit_status": status, "ended": _now(), **({"lost": lost} if lost else {})}
         if not lost:
             log.info("%s: job exited with status %d", spec.job, status)
         return status
     finally:
         watcher.stop()
-        locker.release(held, outcome)
+        extra = ledger.finish_ops(claim, outcome) if ledger and claim and outcome and not outcome.get("lost") else None
+        locker.release(held, outcome, extra)
         log.info("%s: released %s", spec.job, held.key)
