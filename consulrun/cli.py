@@ -16,7 +16,7 @@ from pathlib import Path
 import click
 
 from consulrun import __version__
-from consulrun.errors import ExitCode, NotImplementedYet, OutputError, UsageError
+from consulrun.errors import ConsulrunError, ExitCode, NotImplementedYet, OutputError, UsageError
 from consulrun.durations import LOCK_DELAY_RANGE_MS, TTL_RANGE_MS
 from consulrun.options import Duration, consul_config, consul_options
 from consulrun.schema import name_problem
@@ -28,6 +28,7 @@ Exit statuses:
   1   failure without a more specific status (e.g. `generate --check` found changes)
   2   bad usage or invalid manifest
   3   command not implemented yet
+  5   `status`: a lock is held by an unhealthy or vanished session
   127 `run`: the job's command could not be started
   69  Consul unavailable: nothing was started
   70  Consul answered something unexpected
@@ -198,7 +199,97 @@ def install() -> None:
     _not_implemented("install")
 
 
-@main.command(context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
-def status() -> None:
-    """Show who holds each job's lock and how the last runs went (not implemented yet)."""
-    _not_implemented("status")
+@main.command()
+@click.argument("manifest", required=False, type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--prefix", default=None, help="KV prefix [default: the manifest's kv_prefix, else consulrun].")
+@click.option("--json", "as_json", is_flag=True, help="Print the documented JSON structure instead of a table.")
+@click.option("--watch", is_flag=True, help="Redraw whenever Consul's state changes (blocking queries, no polling).")
+@consul_options
+def status(manifest: Path | None, prefix: str | None, as_json: bool, watch: bool, **consul: str | None) -> None:
+    """Show who holds each job's lock, since when, its health, and how the last runs went.
+
+    \b
+    Exit status (for monitoring checks):
+      0  every holder is healthy and every last run succeeded
+      1  some job's last run failed, was lost or was abandoned
+      5  a lock is held by a session that is gone or whose node/checks are not passing
+      69 Consul unavailable
+    """
+    import json
+
+    from consulrun import status as state
+    from consulrun.consulapi import Client
+    from consulrun.manifest import load_manifest
+
+    loaded = load_manifest(manifest) if manifest else None
+    kv_prefix = prefix or (loaded.kv_prefix if loaded else "consulrun")
+    client = Client(consul_config(consul))
+    index: int | None = None
+    while True:
+        index, statuses = state.collect(client, kv_prefix, loaded, index=index, wait_s=300 if index else None)
+        health = state.verdict(statuses)
+        if watch:
+            click.clear()
+        if as_json:
+            click.echo(json.dumps(state.as_json(kv_prefix, statuses, health), indent=2, sort_keys=True))
+        else:
+            rows = state.table(statuses)
+            widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+            for row in rows:
+                click.echo("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip())
+        if not watch:
+            sys.exit(health)
+
+
+@main.command()
+@click.argument("job")
+@click.option("--prefix", default="consulrun", show_default=True, help="KV prefix of the job's keys.")
+@click.option("--yes", is_flag=True, help="Do not ask for confirmation.")
+@click.option("--force", is_flag=True, help="Break the lock even if its holder looks healthy.")
+@consul_options
+def unlock(job: str, prefix: str, yes: bool, force: bool, **consul: str | None) -> None:
+    """Break JOB's stuck lock by destroying the holder's session.
+
+    Refuses when the holder's session and node checks are healthy, unless
+    --force: destroying a live holder's session makes it kill its job (exit 75).
+    """
+    from consulrun import status as state
+    from consulrun.consulapi import Client
+
+    _setup_logging()
+    problem = name_problem(job)
+    if problem:
+        raise UsageError(problem)
+    client = Client(consul_config(consul))
+    _, statuses = state.collect(client, prefix, None)
+    holders = next((s.holders for s in statuses if s.job == job), [])
+    if not holders:
+        click.echo(f"{job} is not locked")
+        return
+    for holder in holders:
+        who = f"{holder['node']} (pid {holder['pid']}, since {holder['since']}, session {holder['session']})"
+        if holder["healthy"] and not force:
+            raise ConsulrunError(f"{job} is held by {who}, which is healthy ({holder['health']}); "
+                                 "use --force to break it anyway")
+        if not yes and not click.confirm(f"Destroy the session of {who}?", err=True):
+            raise ConsulrunError("not confirmed; nothing changed")
+        if client.session_destroy_checked(holder["session"]):
+            logging.getLogger("consulrun").warning("%s: unlocked: destroyed session %s held by %s (%s)", job,
+                                                   holder["session"], holder["node"], holder["health"])
+        else:
+            click.echo(f"session {holder['session']} was already gone")
+
+
+@main.command("acl-policy")
+@click.argument("manifest", required=False, type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--prefix", default=None, help="KV prefix [default: the manifest's kv_prefix, else consulrun].")
+def acl_policy(manifest: Path | None, prefix: str | None) -> None:
+    """Print the least-privilege Consul ACL policy (HCL) the nodes need."""
+    from consulrun.aclpolicy import policy_hcl
+    from consulrun.manifest import load_manifest
+
+    loaded = load_manifest(manifest) if manifest else None
+    kv_prefix = prefix or (loaded.kv_prefix if loaded else "consulrun")
+    # A bound check may be a service check; reading those needs service read, so grant it only then.
+    service_checks = bool(loaded) and any(job.lock.checks for job in loaded.jobs)
+    click.echo(policy_hcl(kv_prefix, service_checks=service_checks), nl=False)

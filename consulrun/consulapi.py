@@ -19,6 +19,7 @@ from typing import Any
 import consul
 import consul.callback
 import requests
+import requests.adapters
 
 from consulrun.errors import ConsulProtocolError, ConsulUnavailable, PermissionDenied, UsageError
 
@@ -86,11 +87,16 @@ class ConsulConfig:
         return None
 
 
+def readable(value: dict[str, Any]) -> str:
+    """JSON as stored in KV: indented, keys sorted, so it reads well in the Consul UI's editor."""
+    return json.dumps(value, sort_keys=True, indent=2) + "\n"
+
+
 def kv_op(verb: str, key: str, value: dict[str, Any] | None = None, **extra: Any) -> dict[str, Any]:
-    """One KV operation of a Consul transaction, its value as JSON."""
+    """One KV operation of a Consul transaction, its value as readable JSON."""
     op: dict[str, Any] = {"Verb": verb, "Key": key, **extra}
     if value is not None:
-        op["Value"] = base64.b64encode(json.dumps(value, sort_keys=True).encode()).decode()
+        op["Value"] = base64.b64encode(readable(value).encode()).decode()
     return {"KV": op}
 
 
@@ -131,6 +137,19 @@ def _short(exc: BaseException) -> str:
     return text if len(text) < 300 else text[:297] + "..."
 
 
+class _ServerNameAdapter(requests.adapters.HTTPAdapter):
+    """Verify the agent's certificate against CONSUL_TLS_SERVER_NAME instead of the address's host."""
+
+    def __init__(self, server_name: str) -> None:
+        self.server_name = server_name
+        super().__init__()
+
+    def init_poolmanager(self, *args: Any, **kwargs: Any) -> None:
+        kwargs["server_hostname"] = self.server_name
+        kwargs["assert_hostname"] = self.server_name
+        super().init_poolmanager(*args, **kwargs)
+
+
 class Client:
     """The handful of Consul calls consulrun makes, each with a bounded timeout."""
 
@@ -142,14 +161,18 @@ class Client:
                                   connections_timeout=timeout)
         # py-consul lets CONSUL_HTTP_TOKEN override an explicit token; ours is resolved already.
         self._api.token = config.resolved_token()
+        if scheme == "https" and config.tls_server_name:
+            self._api.http.session.mount("https://", _ServerNameAdapter(config.tls_server_name))
         self.address = f"{scheme}://{host}:{port}"
 
     def _translated(self, what: str) -> Any:
         return translated(f"{what} via {self.address}")
 
     def node_name(self) -> str:
+        # py-consul's agent.self() sends no ACL token; the raw call with our headers does.
         with self._translated("reading the local agent's node name"):
-            return self._api.agent.self()["Config"]["NodeName"]
+            return self._api.http.get(consul.callback.CB.json(), "/v1/agent/self",
+                                      headers=self._api.prepare_headers())["Config"]["NodeName"]
 
     def check_kinds(self) -> dict[str, str]:
         """Check ID -> service ID ('' for node checks) of the local agent's checks."""
@@ -217,6 +240,17 @@ class Client:
         with self._translated("destroying the session"):
             self._api.session.destroy(session)
 
+    def node_health(self, node: str) -> list[dict[str, Any]]:
+        with self._translated(f"reading the health of node {node}"):
+            return self._api.health.node(node)[1] or []
+
     def session_info(self, session: str) -> dict[str, Any] | None:
         with self._translated("reading a session"):
             return self._api.session.info(session)[1]
+
+    def session_destroy_checked(self, session: str) -> bool:
+        """Destroy a session; False if it did not exist."""
+        if self.session_info(session) is None:
+            return False
+        self.session_destroy(session)
+        return True

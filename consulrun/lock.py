@@ -24,7 +24,7 @@ from datetime import datetime, timezone
 from typing import Any, Callable
 
 from consulrun import __version__
-from consulrun.consulapi import Client, kv_op
+from consulrun.consulapi import Client, kv_op, readable
 from consulrun.durations import LOCK_DELAY_RANGE_MS
 from consulrun.errors import ConsulrunError, UsageError
 
@@ -174,7 +174,7 @@ class Locker:
         for key in free:
             value = self._holder_value()
             if claim is None:
-                acquired = self.client.kv_acquire(key, json.dumps(value, sort_keys=True), session)
+                acquired = self.client.kv_acquire(key, readable(value), session)
             else:
                 acquired = self.client.txn([kv_op("lock", key, value, Session=session), *claim(value)]) is not None
             if acquired:
@@ -217,7 +217,7 @@ class Locker:
                 if self.client.txn([kv_op("unlock", held.key, value, Session=held.session), *extra_ops]) is None:
                     log.warning("%s: the lock was no longer ours; the run's result was not recorded", self.spec.job)
             else:
-                self.client.kv_release(held.key, json.dumps(value, sort_keys=True), held.session)
+                self.client.kv_release(held.key, readable(value), held.session)
         except ConsulrunError as exc:
             log.warning("%s: could not release %s (%s); the session's invalidation will free it", self.spec.job,
                         held.key, exc)

@@ -118,10 +118,11 @@ _FAST_GOSSIP = {"gossip_lan": {"probe_interval": "200ms", "probe_timeout": "100m
 
 def start_dev_agent(binary: str, workdir: Path, name: str = "dev1", extra_config: dict[str, Any] | None = None) -> Agent:
     """A single-node dev agent (server + client) on free loopback ports."""
+    extra = dict(extra_config or {})
     ports = {"http": free_port(), "dns": -1, "grpc": -1, "grpc_tls": -1, "serf_lan": free_port(),
-             "serf_wan": free_port(), "server": free_port()}
+             "serf_wan": free_port(), "server": free_port(), **extra.pop("ports", {})}
     config = workdir / f"{name}.json"
-    config.write_text(json.dumps({"ports": ports, "ui_config": {"enabled": True}, **(extra_config or {})}))
+    config.write_text(json.dumps({"ports": ports, "ui_config": {"enabled": True}, **extra}))
     log_path = workdir / f"{name}.log"
     process = _start([binary, "agent", "-dev", "-node", name, "-bind", "127.0.0.1", "-client", "127.0.0.1",
                       "-config-file", str(config)], log_path, None)

@@ -1,0 +1,23 @@
+"""The least-privilege Consul ACL policy a node running consulrun needs, as HCL."""
+
+from __future__ import annotations
+
+
+def policy_hcl(kv_prefix: str, service_checks: bool) -> str:
+    """Rules for `run`, takeover and `status`: the job keys, sessions, and reads for node identity and checks.
+
+    `run` reads the agent's own node name (agent read) and its checks (node
+    read, service read when a service check is bound); `status` reads session
+    and node health, which the same rules allow. Nothing else is granted.
+    """
+    prefix = kv_prefix.strip("/") + "/"
+    rules = [
+        f'# consulrun: what nodes need to run, take over and report jobs under "{prefix}"',
+        f'key_prefix "{prefix}" {{\n  policy = "write"\n}}',
+        'session_prefix "" {\n  policy = "write"\n}',
+        'agent_prefix "" {\n  policy = "read"\n}',
+        'node_prefix "" {\n  policy = "read"\n}',
+    ]
+    if service_checks:
+        rules.append('service_prefix "" {\n  policy = "read"\n}')
+    return "\n".join(rules) + "\n"

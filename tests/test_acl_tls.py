@@ -1,0 +1,161 @@
+"""ACLs (default deny, bootstrapped here) and TLS on the HTTP API, on real agents."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import requests
+from click.testing import CliRunner
+
+from consulrun.cli import main
+from tests.harness.agents import Agent, free_port, start_dev_agent, wait_for
+from tests.test_run import SKIP, consulrun, finish, lock_entry
+
+pytestmark = pytest.mark.consul
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def acl_agent(consul_bin: str, tmp_path: Path) -> Iterator[tuple[Agent, str]]:
+    agent = start_dev_agent(consul_bin, tmp_path, name="acl1",
+                            extra_config={"acl": {"enabled": True, "default_policy": "deny", "down_policy": "deny"}})
+    try:
+        management = wait_for(lambda: requests.put(f"{agent.url}/v1/acl/bootstrap", timeout=10).json()["SecretID"],
+                              30, "ACL bootstrap")
+        yield agent, management
+    finally:
+        agent.stop()
+
+
+def _acl(agent: Agent, management: str, method: str, path: str, body: dict) -> dict:
+    response = requests.request(method, f"{agent.url}/v1/{path}", json=body, headers={"X-Consul-Token": management},
+                                timeout=10)
+    response.raise_for_status()
+    return response.json()
+
+
+def _token_file(tmp_path: Path, name: str, secret: str) -> Path:
+    path = tmp_path / name
+    path.write_text(secret + "\n")
+    path.chmod(0o600)
+    return path
+
+
+def test_acl_policy_token_runs_skips_takes_over_and_reports(acl_agent: tuple[Agent, str], tmp_path: Path) -> None:
+    agent, management = acl_agent
+    rules = CliRunner().invoke(main, ["acl-policy"]).stdout
+    _acl(agent, management, "PUT", "acl/policy", {"Name": "consulrun", "Rules": rules})
+    secret = _acl(agent, management, "PUT", "acl/token", {"Policies": [{"Name": "consulrun"}]})["SecretID"]
+    token_file = _token_file(tmp_path, "token", secret)
+    env = {"CONSUL_HTTP_ADDR": agent.http_addr, "CONSUL_HTTP_TOKEN_FILE": str(token_file)}
+
+    started = tmp_path / "started"
+    args = ["run", "--schedule", "*-01-01 00:00:00 UTC", "--on-holder-loss", "retry", "--skip-exit-code", str(SKIP)]
+    runner = consulrun(*args, "acljob", "--", "sh", "-c", f"touch {started}; sleep 120", env=env)
+    wait_for(started.exists, 20, "the job under an ACL token")
+    # The token appears in no process's command line.
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            assert secret.encode() not in cmdline.read_bytes()
+        except (FileNotFoundError, ProcessLookupError, PermissionError):
+            continue
+    code, out, err = finish(consulrun("status", env=env))
+    assert code == 0, err
+    assert "acljob" in out and "held" in out
+    # A standby under the same token waits; the runner's session dies; the standby takes over.
+    again = tmp_path / "again"
+    standby = consulrun(*args, "acljob", "--", "touch", str(again), env=env)
+    session = lock_entry(agent, "consulrun/acljob/lock?token=" + management)["Session"]
+    _acl(agent, management, "PUT", f"session/destroy/{session}", {})
+    code, _, err = finish(runner)
+    assert code == 75, err
+    code, _, err2 = finish(standby, timeout=120)
+    assert code == 0 and again.exists(), err2
+    assert secret not in err + err2
+    code, _, _ = finish(consulrun(*args, "acljob", "--", "true", env=env))
+    assert code == SKIP
+
+
+def test_token_without_the_policy_is_refused_cleanly(acl_agent: tuple[Agent, str], tmp_path: Path) -> None:
+    agent, management = acl_agent
+    secret = _acl(agent, management, "PUT", "acl/token", {"Description": "no rights"})["SecretID"]
+    marker = tmp_path / "ran"
+    code, out, err = finish(consulrun("run", "denied", "--", "touch", str(marker), env={
+        "CONSUL_HTTP_ADDR": agent.http_addr, "CONSUL_HTTP_TOKEN_FILE": str(_token_file(tmp_path, "weak", secret))}))
+    assert code == 77
+    assert out == "" and err.count("\n") == 1 and "Consul ACL denied it" in err
+    assert secret not in err
+    assert not marker.exists()
+
+
+def test_generated_units_reference_the_token_file_only(tmp_path: Path) -> None:
+    result = CliRunner().invoke(main, ["generate", str(REPO / "examples" / "jobs.yaml"), "-o", "-"])
+    assert "LoadCredential=consul-token:/etc/consulrun/token" in result.stdout
+    assert "CONSUL_HTTP_TOKEN=" not in result.stdout
+
+
+# --- TLS ------------------------------------------------------------------------------------------------
+
+
+def _tls_material(consul_bin: str, where: Path) -> dict[str, Path]:
+    where.mkdir()
+
+    def tls(*args: str) -> None:
+        subprocess.run([consul_bin, "tls", *args], cwd=where, check=True, capture_output=True)
+
+    tls("ca", "create", "-domain", "consul")
+    tls("cert", "create", "-server", "-dc", "dc1")
+    tls("cert", "create", "-client", "-dc", "dc1")
+    return {"ca": where / "consul-agent-ca.pem", "cert": where / "dc1-server-consul-0.pem",
+            "key": where / "dc1-server-consul-0-key.pem", "client": where / "dc1-client-consul-0.pem",
+            "client_key": where / "dc1-client-consul-0-key.pem"}
+
+
+@pytest.fixture
+def tls_agent(consul_bin: str, tmp_path: Path) -> Iterator[tuple[Agent, int, dict[str, Path]]]:
+    files = _tls_material(consul_bin, tmp_path / "tls")
+    https = free_port()
+    agent = start_dev_agent(consul_bin, tmp_path, name="tls1", extra_config={
+        "ports": {"https": https},
+        "tls": {"https": {"ca_file": str(files["ca"]), "cert_file": str(files["cert"]), "key_file": str(files["key"]),
+                          "verify_incoming": True}}})
+    try:
+        yield agent, https, files
+    finally:
+        agent.stop()
+
+
+def test_run_and_status_over_https_with_client_certificates(tls_agent, consul_bin: str, tmp_path: Path) -> None:
+    agent, port, files = tls_agent
+    env = {"CONSUL_HTTP_ADDR": f"https://127.0.0.1:{port}", "CONSUL_CACERT": str(files["ca"]),
+           "CONSUL_CLIENT_CERT": str(files["client"]), "CONSUL_CLIENT_KEY": str(files["client_key"])}
+    code, _, err = finish(consulrun("run", "tlsjob", "--", "true", env=env))
+    assert code == 0, err
+    assert "acquired consulrun/tlsjob/lock" in err
+    code, out, err = finish(consulrun("status", env=env))
+    assert code == 0 and "tlsjob" in out, err
+    # The server certificate names server.dc1.consul; checking against that name works, another name fails.
+    code, _, err = finish(consulrun("run", "tlsjob", "--", "true", env={**env, "CONSUL_TLS_SERVER_NAME": "server.dc1.consul"}))
+    assert code == 0, err
+    code, _, err = finish(consulrun("run", "tlsjob", "--", "true", env={**env, "CONSUL_TLS_SERVER_NAME": "wrong.example"}))
+    assert code == 69 and "TLS failure" in err
+
+
+def test_wrong_ca_fails_closed(tls_agent, consul_bin: str, tmp_path: Path) -> None:
+    agent, port, files = tls_agent
+    other = _tls_material(consul_bin, tmp_path / "other-ca")
+    marker = tmp_path / "ran"
+    code, out, err = finish(consulrun("run", "tlsjob", "--", "touch", str(marker), env={
+        "CONSUL_HTTP_ADDR": f"https://127.0.0.1:{port}", "CONSUL_CACERT": str(other["ca"]),
+        "CONSUL_CLIENT_CERT": str(files["client"]), "CONSUL_CLIENT_KEY": str(files["client_key"])}))
+    assert code == 69
+    assert err.count("\n") == 1 and "TLS failure" in err
+    assert not marker.exists()
+    code, _, err = finish(consulrun("run", "tlsjob", "--", "true", env={
+        "CONSUL_HTTP_ADDR": f"https://127.0.0.1:{port}", "CONSUL_CACERT": str(files["ca"])}))
+    assert code == 69, err  # verify_incoming: no client certificate, no service
