@@ -12,14 +12,18 @@ import os
 import shutil
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
 from consulrun import __version__
-from consulrun.errors import ConsulrunError, ExitCode, NotImplementedYet, OutputError, UsageError
+from consulrun.errors import ConsulrunError, ExitCode, OutputError, UsageError
 from consulrun.durations import LOCK_DELAY_RANGE_MS, TTL_RANGE_MS
 from consulrun.options import Duration, consul_config, consul_options
 from consulrun.schema import name_problem
+
+if TYPE_CHECKING:
+    from consulrun.manifest import Manifest
 
 EXIT_CODES_HELP = """
 \b
@@ -27,7 +31,6 @@ Exit statuses:
   0   success (for `run`: the job's own status is passed through)
   1   failure without a more specific status (e.g. `generate --check` found changes)
   2   bad usage or invalid manifest
-  3   command not implemented yet
   5   `status`: a lock is held by an unhealthy or vanished session
   127 `run`: the job's command could not be started
   69  Consul unavailable: nothing was started
@@ -189,14 +192,117 @@ def _setup_logging() -> None:
     logger.propagate = False
 
 
-def _not_implemented(name: str) -> None:
-    raise NotImplementedYet(f"`consulrun {name}` is not implemented yet")
+@main.command()
+@click.argument("manifest", type=click.Path(dir_okay=False, allow_dash=True, path_type=Path))
+@click.option("--root", type=click.Path(file_okay=False, path_type=Path),
+              help="Install into this root file system (offline: units are enabled, nothing is started).")
+@click.option("--unit-dir", type=click.Path(path_type=Path), default=Path("/etc/systemd/system"), show_default=True,
+              help="Unit folder (inside --root if given).")
+@click.option("--dry-run", is_flag=True, help="Print the diff and the systemctl actions; change nothing.")
+@click.option("--no-start", is_flag=True, help="Enable the timers but do not start them.")
+@click.option("--templates", type=click.Path(file_okay=False, exists=True, path_type=Path),
+              help="Folder with service.j2 and/or timer.j2 overriding the shipped templates.")
+@click.option("--consulrun-path", default=_default_consulrun_path, show_default="this consulrun",
+              help="Absolute path of consulrun on the node(s), as units call it.")
+@click.option("--host", "hosts", multiple=True, metavar="NODE", help="Install on NODE over ssh (repeatable).")
+@click.option("--hosts-file", type=click.File("r"), help="File with one NODE per line (# comments allowed).")
+@click.option("--ssh-option", "ssh_options", multiple=True, metavar="OPT", help="Passed to ssh as -o OPT (repeatable).")
+@click.option("--parallel", type=click.IntRange(1, 256), default=10, show_default=True, help="Nodes at a time.")
+def install(manifest: Path, root: Path | None, unit_dir: Path, dry_run: bool, no_start: bool, templates: Path | None,
+            consulrun_path: str, hosts: tuple[str, ...], hosts_file: click.utils.LazyFile | None,
+            ssh_options: tuple[str, ...], parallel: int) -> None:
+    """Install MANIFEST's units on this node, or on each --host over ssh.
+
+    Writes only units it generated (a foreign file with one of their names is
+    an error), removes its units for jobs no longer in the manifest, runs
+    systemctl daemon-reload and enables (and starts) the timers. A second run
+    with the same manifest changes nothing. If anything fails, the previous
+    units are put back. MANIFEST may be - (standard input).
+    """
+    from consulrun.manifest import load_manifest, parse_manifest
+
+    if str(manifest) == "-":
+        text, source = click.get_text_stream("stdin").read(), "<stdin>"
+        loaded = parse_manifest(text, source)
+    else:
+        loaded = load_manifest(manifest)
+        text = manifest.read_text(encoding="utf-8")
+    targets = list(hosts) + ([line.split("#")[0].strip() for line in hosts_file if line.split("#")[0].strip()]
+                             if hosts_file else [])
+    if targets:
+        flags = (["--dry-run"] if dry_run else []) + (["--no-start"] if no_start else []) + \
+            ["--unit-dir", str(unit_dir), "--consulrun-path", consulrun_path]
+        _install_remote(targets, text, [consulrun_path, "install", "-", *flags], list(ssh_options), parallel)
+        return
+    _install_local(loaded, root, unit_dir, dry_run, not no_start, templates, consulrun_path)
 
 
-@main.command(context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
-def install() -> None:
-    """Install a manifest's units on this node or over SSH (not implemented yet)."""
-    _not_implemented("install")
+def _install_local(loaded: "Manifest", root: Path | None, unit_dir: Path, dry_run: bool, start: bool,
+                   templates: Path | None, consulrun_path: str) -> None:
+    from consulrun import install as installer
+    from consulrun.render import render
+
+    units = render(loaded, consulrun_path, templates)
+    target = (root / str(unit_dir).lstrip("/")) if root else unit_dir
+    _check_consulrun(Path(root / consulrun_path.lstrip("/")) if root else Path(consulrun_path), check_version=not root)
+    the_plan = installer.plan(units, target, loaded.unit_prefix)
+    if dry_run:
+        click.echo(the_plan.diff(), nl=False)
+        for call in the_plan.actions(start, offline=root is not None):
+            click.echo("would run: systemctl " + " ".join(call))
+        if the_plan.empty:
+            click.echo("up to date")
+        return
+    if the_plan.empty:
+        click.echo(f"up to date: {len(units)} unit(s) in {target}")
+        return
+    if root is None:
+        _warn_if_no_agent(loaded.consul.address)
+    for line in installer.apply(the_plan, start=start, root=root):
+        click.echo(line)
+    click.echo(f"installed: {len(the_plan.add)} added, {len(the_plan.change)} changed, {len(the_plan.remove)} removed")
+
+
+def _check_consulrun(path: Path, check_version: bool) -> None:
+    import subprocess
+
+    if not (path.is_file() and os.access(path, os.X_OK)):
+        raise UsageError(f"{path}: the consulrun the units would call does not exist or is not executable "
+                         "(install consulrun there, or pass --consulrun-path)")
+    if check_version:
+        found = subprocess.run([str(path), "--version"], capture_output=True, text=True).stdout.strip().rsplit(" ", 1)[-1]
+        if found.split(".")[:2] != __version__.split(".")[:2]:
+            raise UsageError(f"{path} is consulrun {found or '?'}, this is {__version__}: "
+                             "units and installer must be the same major.minor version")
+
+
+def _warn_if_no_agent(address: str | None) -> None:
+    import urllib.error
+    import urllib.request
+
+    url = address or os.environ.get("CONSUL_HTTP_ADDR") or "127.0.0.1:8500"
+    url = url if "://" in url else f"http://{url}"
+    try:
+        urllib.request.urlopen(f"{url.rstrip('/')}/v1/status/leader", timeout=2).read()
+    except (OSError, urllib.error.URLError) as exc:
+        click.echo(f"warning: no Consul agent answers at {url} ({getattr(exc, 'reason', exc)}); "
+                   "the units are installed anyway and will skip-fail until it does", err=True)
+
+
+def _install_remote(hosts: list[str], text: str, remote_argv: list[str], ssh_options: list[str], parallel: int) -> None:
+    from consulrun.remote import install_all
+
+    def progress(result, done: int, total: int) -> None:  # noqa: ANN001
+        click.echo(f"[{done}/{total}] {result.host}: {'ok' if result.ok else 'FAILED'}: {result.summary}", err=True)
+
+    results = install_all(hosts, text, remote_argv, ssh_options, parallel, timeout_s=300, progress=progress)
+    width = max(len(r.host) for r in results + [type(results[0])("HOST", True, "", "")])
+    click.echo(f"{'HOST'.ljust(width)}  RESULT  DETAIL")
+    for r in results:
+        click.echo(f"{r.host.ljust(width)}  {'ok    ' if r.ok else 'FAILED'}  {r.summary}")
+    failed = [r.host for r in results if not r.ok]
+    if failed:
+        raise ConsulrunError(f"install failed on {len(failed)} of {len(results)} node(s): {', '.join(failed)}")
 
 
 @main.command()

@@ -22,7 +22,6 @@ class ExitCode(enum.IntEnum):
     LOCK_LOST = 75  # EX_TEMPFAIL: the lock was lost while the job ran; job killed
     PERMISSION = 77  # EX_NOPERM: ACL token lacks a permission; job not started
     JOB_NOT_STARTED = 127  # as a shell says: the job's command could not be executed
-    NOT_IMPLEMENTED = 3
 
 
 class ConsulrunError(click.ClickException):
@@ -68,7 +67,3 @@ class OutputError(ConsulrunError):
 
 class JobNotStarted(ConsulrunError):
     exit_code = ExitCode.JOB_NOT_STARTED
-
-
-class NotImplementedYet(ConsulrunError):
-    exit_code = ExitCode.NOT_IMPLEMENTED

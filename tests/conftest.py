@@ -122,6 +122,15 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
                                 red=True)
 
 
+def container_binds() -> list[Path]:
+    """What a container must see at the same path: this checkout, its venv, the Consul binary."""
+    import sys
+
+    from tests.harness.agents import consul_binary as built
+
+    return sorted({REPO, Path(sys.prefix), Path(built()).parent})
+
+
 @pytest.fixture(scope="session")
 def systemd_container(tmp_path_factory: pytest.TempPathFactory) -> Iterator["Container"]:
     """One booted systemd container (real PID 1) in its own network namespace, shared by the session."""
@@ -132,7 +141,8 @@ def systemd_container(tmp_path_factory: pytest.TempPathFactory) -> Iterator["Con
     if os.geteuid() != 0:
         pytest.fail("booting a systemd container needs root", pytrace=False)
     network = Network(1, subnet="10.213.78.0/24", tag="s").up()
-    container = Container(f"crt{os.getpid() % 100000}", tmp_path_factory.mktemp("nspawn"), netns=network.namespace(0))
+    container = Container(f"crt{os.getpid() % 100000}", tmp_path_factory.mktemp("nspawn"), netns=network.namespace(0),
+                          binds=container_binds())
     try:
         container.start()
         yield container

@@ -34,14 +34,6 @@ def test_python_dash_m_runs_the_cli() -> None:
     assert result.stdout.strip().endswith(__version__)
 
 
-@pytest.mark.parametrize("command", ["install"])
-def test_unfinished_commands_say_so_and_fail(command: str) -> None:
-    result = CliRunner().invoke(main, [command, "x"])
-    assert result.exit_code == 3
-    assert "not implemented" in result.stderr
-    assert result.stdout == ""
-
-
 @pytest.mark.slow
 def test_wheel_ships_templates_and_renders_from_installed_copy(tmp_path: Path) -> None:
     dist = tmp_path / "dist"

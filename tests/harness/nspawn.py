@@ -19,7 +19,8 @@ CGROUP_ROOTS = [Path("/sys/fs/cgroup/systemd"), Path("/sys/fs/cgroup/unified")]
 # Units the host image enables that a test container has no use for; masked to keep boots fast.
 MASKED = ["postgresql.service", "postgresql@.service", "apt-daily.timer", "apt-daily-upgrade.timer",
           "man-db.timer", "e2scrub_all.timer", "fstrim.timer", "dpkg-db-backup.timer", "e2scrub_reap.service",
-          "systemd-timesyncd.service", "console-getty.service", "getty@.service"]
+          "systemd-timesyncd.service", "console-getty.service", "getty@.service", "avahi-daemon.service",
+          "avahi-daemon.socket", "cron.service", "exim4.service", "rsync.service"]
 
 
 def _cgroup_dirs(name: str) -> list[Path]:
@@ -30,8 +31,9 @@ def _cgroup_dirs(name: str) -> list[Path]:
 class Container:
     """One booted container; `shared` on the host is `/shared` inside."""
 
-    def __init__(self, name: str, workdir: Path, netns: str | None = None) -> None:
+    def __init__(self, name: str, workdir: Path, netns: str | None = None, binds: list[Path] | None = None) -> None:
         self.name = name
+        self.binds = [p for p in (binds or []) if p.exists()]  # host paths visible at the same path inside
         self.dir = workdir / f"ctr-{name}"
         self.netns = netns
         self.shared = self.dir / "shared"
@@ -65,6 +67,7 @@ class Container:
 
         cmd = ["systemd-nspawn", "--boot", "--register=no", "--keep-unit", "--quiet", "-D", str(self.merged),
                "-M", self.name, f"--bind={self.shared}:/shared", "--console=passive"]
+        cmd += [f"--bind={path}:{path}" for path in self.binds]
         if self.netns:
             cmd.append(f"--network-namespace-path=/run/netns/{self.netns}")
         with self.console.open("wb") as log:
@@ -98,7 +101,20 @@ class Container:
     def systemctl(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
         return self.exec("systemctl", *args, check=check)
 
+    def spawn(self, *cmd: str, log: Path) -> subprocess.Popen[bytes]:
+        """Start a long-running process inside the container (e.g. its Consul agent); stop it by PID."""
+        assert self.pid1 is not None, "container not started"
+        with log.open("wb") as out:
+            return subprocess.Popen(["nsenter", "-t", str(self.pid1), "-a", "--", *cmd], stdout=out,
+                                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+
+    @property
+    def unit_dir(self) -> Path:
+        """The container's /etc/systemd/system, seen from the host."""
+        return self.merged / "etc" / "systemd" / "system"
+
     def stop(self) -> None:
+        """Power the container off; whatever is still in its cgroup after that is killed. Never raises."""
         if self.process and self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)  # nspawn asks the container's systemd to power off
             try:
@@ -106,9 +122,29 @@ class Container:
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait(timeout=10)
-        subprocess.run(["umount", str(self.merged)], capture_output=True)
-        for path in _cgroup_dirs(self.name):
+        cgroups = _cgroup_dirs(self.name)
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            left = [int(pid) for path in cgroups if path.exists() for procs in path.rglob("cgroup.procs")
+                    for pid in procs.read_text().split()]
+            if not left:
+                break
+            for pid in left:  # processes of this container only: they are in its own cgroup
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            time.sleep(0.2)
+        subprocess.run(["umount", "-l", str(self.merged)], capture_output=True)
+        for path in cgroups:
+            if not path.exists():
+                continue
             for sub in sorted((p for p in path.rglob("*") if p.is_dir()), key=lambda p: len(p.parts), reverse=True):
-                sub.rmdir()
-            if path.exists():
+                try:
+                    sub.rmdir()
+                except OSError:
+                    pass
+            try:
                 path.rmdir()
+            except OSError:
+                pass
