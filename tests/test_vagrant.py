@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import shutil
 import subprocess
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -14,9 +15,13 @@ VAGRANT_DIR = Path(__file__).resolve().parents[1] / "vagrant"
 
 
 def validate(folder: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([require_tool("vagrant"), "validate", "--ignore-provider"], cwd=folder, capture_output=True,
-                          text=True, timeout=300, env={"PATH": "/usr/bin:/bin", "HOME": str(folder),
-                                                       "VAGRANT_CHECKPOINT_DISABLE": "1"})
+    """`vagrant validate` with a throw-away VAGRANT_HOME, and its .vagrant/ state dir kept out of the checkout."""
+    with tempfile.TemporaryDirectory() as home:
+        work = Path(home) / "work"
+        shutil.copytree(folder, work, ignore=shutil.ignore_patterns(".vagrant"))
+        return subprocess.run([require_tool("vagrant"), "validate", "--ignore-provider"], cwd=work, capture_output=True,
+                              text=True, timeout=300, env={"PATH": "/usr/bin:/bin", "HOME": home,
+                                                           "VAGRANT_CHECKPOINT_DISABLE": "1"})
 
 
 def test_vagrantfile_validates() -> None:
