@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 import venv
@@ -55,3 +56,25 @@ def test_wheel_ships_templates_and_renders_from_installed_copy(tmp_path: Path) -
     assert result.returncode == 0, result.stderr
     service = (out / "consulrun-billing-report.service").read_text()
     assert f"ExecStart={env_dir}/bin/consulrun run " in service
+
+
+@pytest.mark.slow
+def test_readme_first_command_works_on_a_fresh_copy(tmp_path: Path) -> None:
+    """The README's first command (install, render the example, show it) as a newcomer would run it."""
+    readme = (REPO / "README.md").read_text()
+    command = readme.split("```sh\n", 1)[1].split("\n```", 1)[0].strip()
+    copy = tmp_path / "checkout"
+    subprocess.run(["git", "clone", "-q", str(REPO), str(copy)], check=True)
+    for path in ("README.md", "examples", "templates", "consulrun", "pyproject.toml"):  # the working tree, not HEAD
+        source = REPO / path
+        if source.is_dir():
+            shutil.rmtree(copy / path)
+            shutil.copytree(source, copy / path, ignore=shutil.ignore_patterns("__pycache__"))
+        else:
+            shutil.copy(source, copy / path)
+    result = subprocess.run(["bash", "-c", command], cwd=copy, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr
+    assert "[Timer]\nOnCalendar=*-*-* 02:00:00\n" in result.stdout
+    assert sorted(p.name for p in (copy / "units").iterdir()) == [
+        "consulrun-billing-report.service", "consulrun-billing-report.timer",
+        "consulrun-cache-warm.service", "consulrun-cache-warm.timer"]
