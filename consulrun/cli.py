@@ -12,7 +12,6 @@ import os
 import shutil
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import click
 
@@ -21,9 +20,6 @@ from consulrun.errors import ConsulrunError, ExitCode, OutputError, UsageError
 from consulrun.durations import LOCK_DELAY_RANGE_MS, TTL_RANGE_MS
 from consulrun.options import Duration, consul_config, consul_options
 from consulrun.schema import name_problem
-
-if TYPE_CHECKING:
-    from consulrun.manifest import Manifest
 
 EXIT_CODES_HELP = """
 \b
@@ -234,59 +230,15 @@ def install(manifest: Path, root: Path | None, unit_dir: Path, dry_run: bool, no
             ["--unit-dir", str(unit_dir), "--consulrun-path", consulrun_path]
         _install_remote(targets, text, [consulrun_path, "install", "-", *flags], list(ssh_options), parallel)
         return
-    _install_local(loaded, root, unit_dir, dry_run, not no_start, templates, consulrun_path)
+    from consulrun.install import install_local
 
-
-def _install_local(loaded: "Manifest", root: Path | None, unit_dir: Path, dry_run: bool, start: bool,
-                   templates: Path | None, consulrun_path: str) -> None:
-    from consulrun import install as installer
-    from consulrun.render import render
-
-    units = render(loaded, consulrun_path, templates)
-    target = (root / str(unit_dir).lstrip("/")) if root else unit_dir
-    _check_consulrun(Path(root / consulrun_path.lstrip("/")) if root else Path(consulrun_path), check_version=not root)
-    the_plan = installer.plan(units, target, loaded.unit_prefix)
-    if dry_run:
-        click.echo(the_plan.diff(), nl=False)
-        for call in the_plan.actions(start, offline=root is not None):
-            click.echo("would run: systemctl " + " ".join(call))
-        if the_plan.empty:
-            click.echo("up to date")
-        return
-    if the_plan.empty:
-        click.echo(f"up to date: {len(units)} unit(s) in {target}")
-        return
-    if root is None:
-        _warn_if_no_agent(loaded.consul.address)
-    for line in installer.apply(the_plan, start=start, root=root):
+    report = install_local(loaded, root=root, unit_dir=unit_dir, dry_run=dry_run, start=not no_start,
+                           templates=templates, consulrun_path=consulrun_path)
+    for line in report.warnings:
+        click.echo(f"warning: {line}", err=True)
+    click.echo("".join(report.diff), nl=False)
+    for line in report.lines:
         click.echo(line)
-    click.echo(f"installed: {len(the_plan.add)} added, {len(the_plan.change)} changed, {len(the_plan.remove)} removed")
-
-
-def _check_consulrun(path: Path, check_version: bool) -> None:
-    import subprocess
-
-    if not (path.is_file() and os.access(path, os.X_OK)):
-        raise UsageError(f"{path}: the consulrun the units would call does not exist or is not executable "
-                         "(install consulrun there, or pass --consulrun-path)")
-    if check_version:
-        found = subprocess.run([str(path), "--version"], capture_output=True, text=True).stdout.strip().rsplit(" ", 1)[-1]
-        if found.split(".")[:2] != __version__.split(".")[:2]:
-            raise UsageError(f"{path} is consulrun {found or '?'}, this is {__version__}: "
-                             "units and installer must be the same major.minor version")
-
-
-def _warn_if_no_agent(address: str | None) -> None:
-    import urllib.error
-    import urllib.request
-
-    url = address or os.environ.get("CONSUL_HTTP_ADDR") or "127.0.0.1:8500"
-    url = url if "://" in url else f"http://{url}"
-    try:
-        urllib.request.urlopen(f"{url.rstrip('/')}/v1/status/leader", timeout=2).read()
-    except (OSError, urllib.error.URLError) as exc:
-        click.echo(f"warning: no Consul agent answers at {url} ({getattr(exc, 'reason', exc)}); "
-                   "the units are installed anyway and will skip-fail until it does", err=True)
 
 
 def _install_remote(hosts: list[str], text: str, remote_argv: list[str], ssh_options: list[str], parallel: int) -> None:
@@ -345,6 +297,7 @@ def status(manifest: Path | None, prefix: str | None, as_json: bool, watch: bool
                 click.echo("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip())
         if not watch:
             sys.exit(health)
+        sys.stdout.flush()  # a redraw must reach a pipe (watch | tee) now, not when a buffer fills
 
 
 @main.command()

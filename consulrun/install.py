@@ -14,11 +14,15 @@ import os
 import shutil
 import subprocess
 import tempfile
+import urllib.error
+import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from consulrun import __version__
 from consulrun.errors import ConsulrunError, OutputError, UsageError
-from consulrun.render import is_generated
+from consulrun.manifest import Manifest
+from consulrun.render import is_generated, render
 
 
 class InstallError(ConsulrunError):
@@ -165,3 +169,60 @@ def _restore(p: Plan, written: list[Path], root: Path | None) -> None:
             _systemctl(["enable", *([] if root else ["--now"]), *removed], root)
     except InstallError:
         pass
+
+
+@dataclass
+class Report:
+    """What an install did or would do, for the CLI to print."""
+
+    lines: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+    diff: list[str] = field(default_factory=list)
+
+
+def install_local(manifest: Manifest, *, root: Path | None, unit_dir: Path, dry_run: bool, start: bool,
+                  templates: Path | None, consulrun_path: str) -> Report:
+    """Render, check, plan and (unless `dry_run`) apply; `root` means an offline install into an image."""
+    units = render(manifest, consulrun_path, templates)
+    target = (root / str(unit_dir).lstrip("/")) if root else unit_dir
+    check_consulrun(root / consulrun_path.lstrip("/") if root else Path(consulrun_path), check_version=root is None)
+    the_plan = plan(units, target, manifest.unit_prefix)
+    report = Report()
+    if dry_run:
+        report.diff.append(the_plan.diff())
+        report.lines += ["would run: systemctl " + " ".join(call) for call in the_plan.actions(start, root is not None)]
+        report.lines += ["up to date"] if the_plan.empty else []
+        return report
+    if the_plan.empty:
+        report.lines.append(f"up to date: {len(units)} unit(s) in {target}")
+        return report
+    if root is None:
+        report.warnings += agent_warnings(manifest.consul.address)
+    report.lines += apply(the_plan, start=start, root=root)
+    report.lines.append(f"installed: {len(the_plan.add)} added, {len(the_plan.change)} changed, "
+                        f"{len(the_plan.remove)} removed")
+    return report
+
+
+def check_consulrun(path: Path, check_version: bool) -> None:
+    """The units call this consulrun: it must exist and speak the same major.minor version as the installer."""
+    if not (path.is_file() and os.access(path, os.X_OK)):
+        raise UsageError(f"{path}: the consulrun the units would call does not exist or is not executable "
+                         "(install consulrun there, or pass --consulrun-path)")
+    if check_version:
+        found = subprocess.run([str(path), "--version"], capture_output=True, text=True).stdout.strip().rsplit(" ", 1)[-1]
+        if found.split(".")[:2] != __version__.split(".")[:2]:
+            raise UsageError(f"{path} is consulrun {found or '?'}, this is {__version__}: "
+                             "units and installer must be the same major.minor version")
+
+
+def agent_warnings(address: str | None) -> list[str]:
+    """Units may be installed before the agent runs, so a silent agent is worth a warning, not a failure."""
+    url = address or os.environ.get("CONSUL_HTTP_ADDR") or "127.0.0.1:8500"
+    url = url if "://" in url else f"http://{url}"
+    try:
+        urllib.request.urlopen(f"{url.rstrip('/')}/v1/status/leader", timeout=2).read()
+    except (OSError, urllib.error.URLError) as exc:
+        return [f"no Consul agent answers at {url} ({getattr(exc, 'reason', exc)}); "
+                "the units are installed anyway and their runs fail closed until it does"]
+    return []

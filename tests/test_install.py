@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import base64
+import json
 import os
 import subprocess
 import sys
@@ -14,6 +16,7 @@ import pytest
 import yaml
 
 from tests.conftest import artifact_dir, container_binds, require_tool
+from tests.harness.agents import consul_binary as consul_bin_path
 from tests.harness.agents import wait_for
 from tests.harness.netns import Network
 from tests.harness.nspawn import Container
@@ -205,7 +208,7 @@ def ssh_install(network: Network, key: Path, text: str, workdir: Path, hosts: li
 def test_three_nodes_over_ssh_every_occurrence_once(three_nodes, tmp_path: Path, request: pytest.FixtureRequest) -> None:
     nodes, network, key = three_nodes
     hosts = [f"root@{network.address(i)}" for i in range(3)]
-    text = manifest({"every5": tick_job("*:*:0/5", {"timer": {"randomized_delay": "3s"}})})
+    text = manifest({"every5": tick_job("*:*:0/5", {"timer": {"randomized_delay": "3s"}, "history": 100})})
     result = ssh_install(network, key, text, tmp_path, hosts)
     assert result.returncode == 0, result.stdout + result.stderr
     assert result.stdout.splitlines()[0].split() == ["HOST", "RESULT", "DETAIL"]
@@ -224,6 +227,12 @@ def test_three_nodes_over_ssh_every_occurrence_once(three_nodes, tmp_path: Path,
     # Every 5-second occurrence between the first full one and the end ran (none lost), each exactly once.
     due = {time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t)) for t in range(int(first) // 5 * 5 + 10, int(first) + 100, 5)}
     assert due <= set(counts), sorted(due - set(counts))
+    # Consul's own record agrees: one history entry per occurrence, naming the node whose job wrote it.
+    exported = json.loads(nodes[0].exec(consul_bin_path(), "kv", "export", "consulrun/every5/history/").stdout)
+    recorded = {e["key"].rsplit("/", 1)[1]: json.loads(base64.b64decode(e["value"])) for e in exported}
+    for occ, host in lines:
+        assert recorded[occ]["state"] == "done" and recorded[occ]["exit_status"] == 0
+        assert recorded[occ]["node"] == f"node{int(host.split('-')[0][3:])}"
     again = ssh_install(network, key, text, tmp_path, hosts)
     assert again.returncode == 0 and again.stdout.count("up to date") == 3, again.stdout
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import select
 import signal
 from pathlib import Path
 
@@ -92,3 +94,28 @@ def test_acl_policy_is_least_privilege() -> None:
     assert "service_prefix" not in out and out.count('policy = "write"') == 2
     code, out, _ = cli("acl-policy", str(REPO / "tests" / "golden" / "tls-and-checks" / "manifest.yaml"))
     assert 'key_prefix "ops/cron/"' in out and 'service_prefix "" {\n  policy = "read"\n}' in out
+
+
+def test_watch_redraws_when_state_changes(consul: Agent) -> None:
+    watcher = consulrun("status", "--watch")
+    seen = ""
+
+    def read_available() -> str:  # raw reads: a buffered readline would hide lines from select()
+        nonlocal seen
+        fd = watcher.stdout.fileno()
+        while select.select([fd], [], [], 0.2)[0]:
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                break
+            seen += chunk.decode()
+        return seen
+
+    try:
+        wait_for(lambda: "JOB" in read_available(), 20, "the first table")
+        assert "watched" not in seen
+        assert finish(consulrun("run", "watched", "--", "true"))[0] == 0
+        wait_for(lambda: "watched" in read_available(), 20, "a redraw showing the new job")
+        assert watcher.poll() is None  # still watching
+    finally:
+        watcher.send_signal(signal.SIGTERM)
+        watcher.wait(timeout=10)
