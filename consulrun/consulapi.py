@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 import json
+import logging
 import os
 import urllib.parse
 from collections.abc import Iterator
@@ -81,6 +82,9 @@ class ConsulConfig:
         if self.token_file:
             try:
                 with open(self.token_file, encoding="utf-8") as handle:
+                    if os.fstat(handle.fileno()).st_mode & 0o077:
+                        logging.getLogger("consulrun").warning(
+                            "Consul token file %s is readable by others; make it mode 0600", self.token_file)
                     return handle.read().strip() or None
             except OSError as exc:
                 raise UsageError(f"cannot read Consul token file {self.token_file}: {exc.strerror}") from None

@@ -93,6 +93,17 @@ def test_token_without_the_policy_is_refused_cleanly(acl_agent: tuple[Agent, str
     assert not marker.exists()
 
 
+def test_world_readable_token_file_is_warned_about(acl_agent: tuple[Agent, str], tmp_path: Path) -> None:
+    agent, management = acl_agent
+    loose = _token_file(tmp_path, "loose", management)
+    loose.chmod(0o644)
+    code, _, err = finish(consulrun("run", "loose", "--", "true", env={
+        "CONSUL_HTTP_ADDR": agent.http_addr, "CONSUL_HTTP_TOKEN_FILE": str(loose)}))
+    assert code == 0, err
+    assert f"Consul token file {loose} is readable by others; make it mode 0600" in err
+    assert management not in err
+
+
 def test_generated_units_reference_the_token_file_only(tmp_path: Path) -> None:
     result = CliRunner().invoke(main, ["generate", str(REPO / "examples" / "jobs.yaml"), "-o", "-"])
     assert "LoadCredential=consul-token:/etc/consulrun/token" in result.stdout

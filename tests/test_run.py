@@ -191,7 +191,9 @@ def test_concurrency_three_of_ten(consul: Agent, tmp_path: Path) -> None:
 
 
 @pytest.mark.cluster
-def test_holder_agent_killed_job_dies_before_anyone_else_acquires(cluster: Cluster, tmp_path: Path) -> None:
+@pytest.mark.parametrize("failure", ["agent killed", "partitioned"])
+def test_holder_cut_off_job_dies_before_anyone_else_acquires(cluster: Cluster, tmp_path: Path, failure: str) -> None:
+    """Node death (agent killed) and a partition (its link down, agent alive but cut off from the servers)."""
     beat = tmp_path / "beat"
     node2, node3 = cluster.clients
     env = {"CONSUL_HTTP_ADDR": "127.0.0.1:8500"}
@@ -199,11 +201,15 @@ def test_holder_agent_killed_job_dies_before_anyone_else_acquires(cluster: Clust
                        env=env, netns=node2.netns)
     wait_for(beat.exists, 20, "the job on node2")
     took_over = tmp_path / "took-over"
-    node2.kill()
+    if failure == "agent killed":
+        node2.kill()
+    else:
+        cluster.network.partition(1)
     standby = consulrun("run", "--wait", "90s", "failover", "--", "sh", "-c", f"date +%s.%N > {took_over}",
                         env=env, netns=node3.netns)
     code, _, err = finish(holder, timeout=60)
     assert code == 75, err
+    assert "lock lost" in err
     code3, _, err3 = finish(standby, timeout=120)
     assert code3 == 0, err3
     last_beat, started_elsewhere = float(beat.read_text()), float(took_over.read_text())
