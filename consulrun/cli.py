@@ -6,7 +6,6 @@ from `consulrun.errors.ExitCode` and nowhere else.
 
 from __future__ import annotations
 
-import difflib
 import logging
 import os
 import shutil
@@ -16,7 +15,7 @@ from pathlib import Path
 import click
 
 from consulrun import __version__
-from consulrun.errors import ConsulrunError, ExitCode, OutputError, UsageError
+from consulrun.errors import ConsulrunError, ExitCode, UsageError
 from consulrun.durations import LOCK_DELAY_RANGE_MS, TTL_RANGE_MS
 from consulrun.options import Duration, consul_config, consul_options
 from consulrun.schema import name_problem
@@ -72,16 +71,18 @@ def main() -> None:
 def generate(manifest: Path, output: str, check: bool, templates: Path | None, consulrun_path: str) -> None:
     """Render MANIFEST into <prefix>-<job>.service/.timer files."""
     from consulrun.manifest import load_manifest  # imported here: `run` should not pay for the validator
+    from consulrun.install import plan
     from consulrun.render import render, write_units
 
-    units = render(load_manifest(manifest), consulrun_path, templates)
+    loaded = load_manifest(manifest)
+    units = render(loaded, consulrun_path, templates)
     if output == "-":
         for name, text in units.items():
             click.echo(f"# --- {name}\n{text}", nl=False)
         return
     outdir = Path(output)
     if check:
-        diff = _diff(units, outdir)
+        diff = plan(units, outdir, loaded.unit_prefix).diff()
         if diff:
             click.echo(diff, nl=False)
             click.echo(f"{outdir} is out of date with {manifest}", err=True)
@@ -90,23 +91,6 @@ def generate(manifest: Path, output: str, check: bool, templates: Path | None, c
         return
     for path in write_units(units, outdir):
         click.echo(str(path))
-
-
-def _diff(units: dict[str, str], outdir: Path) -> str:
-    from consulrun.render import is_generated
-
-    present = {p.name for p in outdir.glob("*") if p.suffix in (".service", ".timer") and is_generated(p)} \
-        if outdir.is_dir() else set()
-    chunks = []
-    for name in sorted(set(units) | present):
-        path = outdir / name
-        try:
-            old = path.read_text(encoding="utf-8").splitlines(keepends=True) if name in present or path.exists() else []
-        except OSError as exc:
-            raise OutputError(f"cannot read {path}: {exc.strerror}") from None
-        new = units.get(name, "").splitlines(keepends=True)
-        chunks.extend(difflib.unified_diff(old, new, f"a/{name}", f"b/{name}"))
-    return "".join(chunks)
 
 
 def _in_range(name: str, ms: int, bounds: tuple[int, int]) -> None:

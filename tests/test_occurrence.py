@@ -5,7 +5,6 @@ from __future__ import annotations
 import base64
 import json
 import random
-import subprocess
 import threading
 import time
 from datetime import datetime, timezone

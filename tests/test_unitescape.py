@@ -6,7 +6,6 @@ import json
 import os
 import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, example, given, settings
