@@ -27,12 +27,12 @@ Exit statuses:
   1   failure without a more specific status (e.g. `generate --check` found changes)
   2   bad usage or invalid manifest
   5   `status`: a lock is held by an unhealthy or vanished session
-  127 `run`: the job's command could not be started
   69  Consul unavailable: nothing was started
   70  Consul answered something unexpected
   74  writing output failed
   75  lock lost while the job ran: the job was killed
   77  permission denied by Consul ACLs: nothing was started
+  127 `run`: the job's command could not be started
 """
 
 
