@@ -191,10 +191,6 @@ class Client:
                                           consistency="consistent" if consistent else None)
         return int(idx), value
 
-    def kv_put(self, key: str, value: str, *, cas: int | None = None) -> bool:
-        with self._translated(f"writing {key}"):
-            return bool(self._api.kv.put(key, value, cas=cas))
-
     def kv_acquire(self, key: str, value: str, session: str) -> bool:
         with self._translated(f"acquiring {key}"):
             return bool(self._api.kv.put(key, value, acquire=session))
@@ -203,10 +199,6 @@ class Client:
         """Release `key`; a PUT always sets the value, so the caller says what it becomes."""
         with self._translated(f"releasing {key}"):
             return bool(self._api.kv.put(key, value, release=session))
-
-    def kv_delete(self, key: str, *, recurse: bool = False) -> None:
-        with self._translated(f"deleting {key}"):
-            self._api.kv.delete(key, recurse=recurse or None)
 
     def txn(self, ops: list[dict[str, Any]]) -> list[dict[str, Any]] | None:
         """Apply `ops` atomically; the results, or None if Consul rolled the transaction back."""
