@@ -96,6 +96,16 @@ def readable(value: dict[str, Any]) -> str:
     return json.dumps(value, sort_keys=True, indent=2) + "\n"
 
 
+def decoded(entry: dict[str, Any] | None) -> dict[str, Any]:
+    """The JSON object a KV entry holds (the inverse of `readable`); {} if absent, empty or not an object."""
+    raw = (entry or {}).get("Value")
+    try:
+        value = json.loads(raw) if isinstance(raw, (str, bytes)) and raw else {}
+    except ValueError:
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
 def kv_op(verb: str, key: str, value: dict[str, Any] | None = None, **extra: Any) -> dict[str, Any]:
     """One KV operation of a Consul transaction, its value as readable JSON."""
     op: dict[str, Any] = {"Verb": verb, "Key": key, **extra}

@@ -13,7 +13,6 @@ the last confirmation, grace period included.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import socket
@@ -24,7 +23,7 @@ from datetime import datetime, timezone
 from typing import Any, Callable
 
 from consulrun import __version__
-from consulrun.consulapi import Client, kv_op, readable
+from consulrun.consulapi import Client, decoded, kv_op, readable
 from consulrun.durations import LOCK_DELAY_RANGE_MS
 from consulrun.errors import ConsulrunError, UsageError
 
@@ -112,12 +111,7 @@ def _systemd_unit() -> str | None:
 
 
 def describe_holder(entry: dict[str, Any]) -> str:
-    try:
-        value = json.loads(entry.get("Value") or "{}")
-    except (TypeError, ValueError):
-        value = {}
-    if not isinstance(value, dict):
-        value = {}
+    value = decoded(entry)
     node = value.get("node", "?")
     return f"{node} (pid {value.get('pid', '?')}, since {value.get('started', '?')}, session {entry.get('Session')})"
 
@@ -211,7 +205,8 @@ class Locker:
         `extra_ops` are applied in the same transaction, which Consul rolls back
         if the lock is no longer ours.
         """
-        value = {"state": "free", "last": {**held.value, **outcome, "ended": now_iso()}}
+        # The run's own end time wins, so the lock's value and the occurrence record agree.
+        value = {"state": "free", "last": {**held.value, "ended": now_iso(), **outcome}}
         try:
             if extra_ops:
                 if self.client.txn([kv_op("unlock", held.key, value, Session=held.session), *extra_ops]) is None:

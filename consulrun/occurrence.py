@@ -16,14 +16,13 @@ the lock is no longer ours: a fenced holder cannot overwrite a takeover.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 import time
 from datetime import datetime, timezone
 from typing import Any
 
 from consulrun import calendar
-from consulrun.consulapi import Client, kv_op
+from consulrun.consulapi import Client, decoded, kv_op
 from consulrun.errors import ConsulrunError
 from consulrun.lock import Held, Locker, describe_holder
 
@@ -44,17 +43,6 @@ def current(specs: list[str], now: datetime) -> Occurrence | None:
     return Occurrence(when=when, id=calendar.occurrence_id(when), next_when=calendar.following(specs, when))
 
 
-def decode(entry: dict[str, Any] | None) -> dict[str, Any] | None:
-    if not entry or not entry.get("Value"):
-        return None
-    raw = entry["Value"]
-    try:
-        value = json.loads(raw if isinstance(raw, (str, bytes)) else "")
-    except ValueError:
-        return None
-    return value if isinstance(value, dict) else None
-
-
 class Ledger:
     """Reads and writes one job's occurrence record and history."""
 
@@ -67,7 +55,7 @@ class Ledger:
     def read(self, consistent: bool = False) -> tuple[int, dict[str, Any] | None]:
         """(ModifyIndex of the record, 0 if absent; the record)."""
         _, entry = self.client.kv_get(self.record_key, consistent=consistent)
-        return (int(entry["ModifyIndex"]) if entry else 0), decode(entry)
+        return (int(entry["ModifyIndex"]) if entry else 0), decoded(entry) or None
 
     @staticmethod
     def verdict(record: dict[str, Any] | None, occ: Occurrence) -> str:

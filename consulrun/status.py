@@ -9,13 +9,12 @@ in the README and kept stable).
 from __future__ import annotations
 
 import enum
-import json
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
 
 from consulrun import calendar
-from consulrun.consulapi import Client
+from consulrun.consulapi import Client, decoded
 from consulrun.manifest import Manifest
 
 
@@ -39,14 +38,6 @@ class JobStatus:
     def failed(self) -> bool:
         last = self.last or {}
         return last.get("state") in ("lost", "abandoned") or last.get("exit_status") not in (None, 0)
-
-
-def _decode(entry: dict[str, Any]) -> dict[str, Any]:
-    try:
-        value = json.loads(entry.get("Value") or b"{}")
-    except ValueError:
-        return {}
-    return value if isinstance(value, dict) else {}
 
 
 def _iso(when: datetime | None) -> str | None:
@@ -101,14 +92,14 @@ def collect(client: Client, prefix: str, manifest: Manifest | None, *, index: in
             status.state = "orphaned"
         for key, entry in sorted(keys.items()):
             if (key == "lock" or key.startswith("slots/")) and entry.get("Session"):
-                value = _decode(entry)
+                value = decoded(entry)
                 healthy, why = session_health(client, entry["Session"])
                 status.holders.append({"key": entry["Key"], "node": value.get("node"), "since": value.get("started"),
                                        "session": entry["Session"], "pid": value.get("pid"), "unit": value.get("unit"),
                                        "healthy": healthy, "health": why})
-        record = _decode(keys["occurrence"]) if "occurrence" in keys else None
+        record = decoded(keys["occurrence"]) if "occurrence" in keys else None
         if record is None:
-            lock_values = [_decode(e) for k, e in keys.items() if k == "lock" or k.startswith("slots/")]
+            lock_values = [decoded(e) for k, e in keys.items() if k == "lock" or k.startswith("slots/")]
             record = next((v["last"] for v in lock_values if isinstance(v.get("last"), dict)), None)
         if record:
             status.last = {k: record.get(k) for k in ("occurrence", "state", "node", "exit_status", "started", "ended",
