@@ -13,7 +13,6 @@ import difflib
 import os
 import shutil
 import subprocess
-import tempfile
 import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
@@ -22,7 +21,7 @@ from pathlib import Path
 from consulrun import __version__
 from consulrun.errors import ConsulrunError, OutputError, UsageError
 from consulrun.manifest import Manifest
-from consulrun.render import is_generated, render
+from consulrun.render import is_generated, render, stage
 
 
 class InstallError(ConsulrunError):
@@ -95,17 +94,7 @@ def plan(units: dict[str, str], unit_dir: Path, unit_prefix: str) -> Plan:
 
 
 def _write_atomic(path: Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            handle.write(text)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    os.replace(stage(path, text), path)
 
 
 def _systemctl(args: list[str], root: Path | None) -> None:
