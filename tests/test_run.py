@@ -197,7 +197,9 @@ def test_holder_cut_off_job_dies_before_anyone_else_acquires(cluster: Cluster, t
     beat = tmp_path / "beat"
     node2, node3 = cluster.clients
     env = {"CONSUL_HTTP_ADDR": "127.0.0.1:8500"}
-    holder = consulrun("run", "failover", "--", "sh", "-c", f"while true; do date +%s.%N > {beat}; sleep 0.05; done",
+    # Heartbeats are renamed into place: a kill between truncating and writing must not leave an empty file.
+    holder = consulrun("run", "failover", "--", "sh", "-c",
+                       f"while true; do date +%s.%N > {beat}.new; mv {beat}.new {beat}; sleep 0.05; done",
                        env=env, netns=node2.netns)
     wait_for(beat.exists, 20, "the job on node2")
     took_over = tmp_path / "took-over"
