@@ -182,20 +182,28 @@ class Locker:
         return None
 
     def acquire(self) -> tuple[Held | None, str]:
-        """Acquire within the spec's wait; returns (held, why-not) and never leaves a session behind on failure."""
+        """Acquire within the spec's wait; returns (held, why-not) and never leaves a session behind on failure.
+
+        While lock-delay refuses a free key, the same session is tried again
+        (no new session per attempt); before a long blocking wait on a held
+        key it is destroyed, since nothing would renew it meanwhile.
+        """
         deadline = time.monotonic() + self.spec.wait_ms / 1000
         index: int | None = None
         while True:
             remaining = deadline - time.monotonic()
             index, entries = self.entries(index=index, wait_s=remaining if index else None)
-            held = self.try_once(entries)
+            held = self.try_once(entries, keep_session=True)
             if held:
                 return held, ""
             holders = [describe_holder(e) for e in entries.values() if e.get("Session")]
             if time.monotonic() >= deadline:
+                self.abandon()
                 reason = f"held by {'; '.join(holders)}" if holders else "lost the race for the lock"
                 return None, reason
-            if not holders:  # freed by invalidation: lock-delay refuses us for a while; do not spin
+            if holders:
+                self.abandon()
+            else:  # freed by invalidation: lock-delay refuses us for a while; do not spin
                 time.sleep(min(0.5, max(0.0, deadline - time.monotonic())))
                 index = None
 
