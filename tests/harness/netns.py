@@ -20,6 +20,10 @@ class Network:
 
     def __init__(self, count: int, subnet: str = "10.213.77.0/24", tag: str = "c") -> None:
         self.count = count
+        # Several checkouts may run cluster tests at once on one machine; each can move its subnets.
+        prefix = os.environ.get("CONSULRUN_TEST_NET_PREFIX")
+        if prefix and subnet.startswith("10.213."):
+            subnet = prefix + subnet[len("10.213."):]
         self.net = ipaddress.ip_network(subnet)
         self.tag = f"{tag}{os.getpid() % 100000}"
         self.bridge = f"crbr{self.tag}"
