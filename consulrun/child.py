@@ -1,10 +1,15 @@
-"""The job as a process group: start it, forward signals to it, and kill all of it.
+"""The job and every process it makes: start it, signal it, and kill all of it.
 
 `consul lock` kills only its direct child, so a shell's grandchildren outlive a
-lost lock. Here the job leads its own process group, dies with the wrapper
-(parent-death signal), and the wrapper is a child subreaper, so orphaned
-grandchildren come back to it and can be reaped: "the group is gone" is
-something the wrapper can check, not assume.
+lost lock. Here the job leads its own process group and dies with the wrapper
+(parent-death signal), and the wrapper is a child subreaper: a descendant that
+leaves the group (`setsid`, a daemonising double fork) is re-parented to the
+wrapper, not to init. So "every descendant of the wrapper" is exactly the
+job's processes, found by walking the parent links in /proc, and "all of it is
+gone" is something the wrapper checks, not assumes.
+
+Nothing here needs `pidfd_open` (Linux 5.3): the wrapper learns of exits from
+SIGCHLD through the signal wake-up pipe (see runner.py).
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import os
 import signal
 import subprocess
 import time
+from collections.abc import Callable
 
 from consulrun.errors import JobNotStarted
 
@@ -34,8 +40,56 @@ def _in_child(parent: int) -> None:
         os._exit(128 + signal.SIGKILL)
 
 
+def _parents() -> dict[int, int]:
+    """pid -> parent pid of every live (not zombie) process, read from /proc/*/stat."""
+    links: dict[int, int] = {}
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat", "rb") as handle:
+                fields = handle.read().rsplit(b")", 1)[1].split()
+        except OSError:  # exited while we looked
+            continue
+        if fields[0] != b"Z":
+            links[int(name)] = int(fields[1])
+    return links
+
+
+def descendants(root: int | None = None) -> list[int]:
+    """Live descendants of `root` (default: this process), children before grandchildren."""
+    root = os.getpid() if root is None else root
+    children: dict[int, list[int]] = {}
+    for pid, ppid in _parents().items():
+        children.setdefault(ppid, []).append(pid)
+    found: list[int] = []
+    queue = list(children.get(root, []))
+    while queue:
+        pid = queue.pop(0)
+        found.append(pid)
+        queue.extend(children.get(pid, []))
+    return found
+
+
+def process_start(pid: int) -> int | None:
+    """Field 22 of /proc/PID/stat (start time in clock ticks since boot): with the pid, names one process."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as handle:
+            return int(handle.read().rsplit(b")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def boot_id() -> str | None:
+    try:
+        with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as handle:
+            return handle.read().strip()
+    except OSError:
+        return None
+
+
 class Job:
-    """A started job: its process group id is its pid."""
+    """A started job: its process group id is its pid; every other descendant of the wrapper is its too."""
 
     def __init__(self, argv: list[str], env: dict[str, str]) -> None:
         parent = os.getpid()
@@ -70,30 +124,34 @@ class Job:
         return 128 - self.status if self.status < 0 else self.status
 
     def signal(self, signum: int) -> None:
+        """Send `signum` to the job's group and to every descendant, including those that left the group."""
         try:
             os.killpg(self.pgid, signum)
-        except ProcessLookupError:
+        except (ProcessLookupError, PermissionError):
             pass
+        for pid in descendants():
+            try:
+                os.kill(pid, signum)
+            except (ProcessLookupError, PermissionError):
+                pass
 
-    def group_alive(self) -> bool:
-        """True while any process of the job's group exists (exited ones are reaped first)."""
+    def alive(self) -> bool:
+        """True while any process of the job exists (exited ones are reaped first)."""
         self.reap()
-        try:
-            os.killpg(self.pgid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            return True
-        return True
+        return bool(descendants())
 
-    def kill_group(self, grace_s: float) -> None:
-        """SIGTERM the whole group, SIGKILL whatever is left after `grace_s`; return when none is left."""
-        self.signal(signal.SIGTERM)
-        deadline = time.monotonic() + grace_s
-        while time.monotonic() < deadline:
-            if not self.group_alive():
-                return
-            time.sleep(0.02)
-        while self.group_alive():
+    def kill_all(self, grace_s: float, now: Callable[[], float] = time.monotonic) -> None:
+        """SIGTERM every process of the job, SIGKILL whatever is left after `grace_s` (at once if <= 0).
+
+        Returns only when none is left: the caller releases the lock after this.
+        """
+        if grace_s > 0:
+            self.signal(signal.SIGTERM)
+            deadline = now() + grace_s
+            while now() < deadline:
+                if not self.alive():
+                    return
+                time.sleep(0.02)
+        while self.alive():
             self.signal(signal.SIGKILL)
             time.sleep(0.01)

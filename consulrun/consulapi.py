@@ -25,6 +25,10 @@ import requests.adapters
 from consulrun.errors import ConsulProtocolError, ConsulUnavailable, PermissionDenied, UsageError
 
 
+class SessionInvalid(ConsulProtocolError):
+    """Consul no longer knows the session a write named (it expired or was destroyed): make a new one."""
+
+
 def _truthy(value: str | None) -> bool | None:
     if value is None or value == "":
         return None
@@ -130,7 +134,7 @@ def translated(what: str) -> Iterator[None]:
     except consul.ConsulException as exc:
         text = _short(exc)
         if text.startswith("5") or "No cluster leader" in text or "rpc error" in text:
-            raise ConsulUnavailable(f"{what}: Consul cannot serve the request: {text}") from None
+            raise ConsulUnavailable(f"{what}: Consul cannot serve the request: {text}", transient=True) from None
         raise ConsulProtocolError(f"{what}: unexpected answer from Consul: {text}") from None
     except ValueError as exc:  # a body that is not the JSON Consul promises
         raise ConsulProtocolError(f"{what}: unexpected answer from Consul: {exc}") from None
@@ -211,10 +215,17 @@ class Client:
             return bool(self._api.kv.put(key, value, release=session))
 
     def txn(self, ops: list[dict[str, Any]]) -> list[dict[str, Any]] | None:
-        """Apply `ops` atomically; the results, or None if Consul rolled the transaction back."""
+        """Apply `ops` atomically; the results, or None if Consul rolled the transaction back.
+
+        A rollback because our session no longer exists raises SessionInvalid:
+        it is neither a lost race nor Consul being unavailable.
+        """
 
         def answer(response: Any) -> list[dict[str, Any]] | None:
             if response.code == 409:
+                errors = json.loads(response.body or "{}").get("Errors") or []
+                if any("invalid session" in (e.get("What") or "") for e in errors):
+                    raise SessionInvalid("Consul no longer knows the session: " + errors[0]["What"])
                 return None
             consul.callback.CB._status(response)  # noqa: SLF001 - py-consul's own status mapping
             return json.loads(response.body).get("Results") or []
@@ -222,6 +233,23 @@ class Client:
         # py-consul's txn.put sends no ACL token; the raw call with our headers does.
         with self._translated("applying a transaction"):
             return self._api.http.put(answer, "/v1/txn", headers=self._api.prepare_headers(), data=json.dumps(ops))
+
+    def read_trees(self, prefixes: list[str], consistent: bool = False) -> dict[str, dict[str, Any]]:
+        """Every key under each of `prefixes`, read in one read-only transaction (no Raft write): one snapshot."""
+        ops = [{"KV": {"Verb": "get-tree", "Key": prefix}} for prefix in prefixes]
+        params = {"consistent": ""} if consistent else {}
+
+        def answer(response: Any) -> dict[str, dict[str, Any]]:
+            consul.callback.CB._status(response)  # noqa: SLF001
+            entries = [r["KV"] for r in json.loads(response.body).get("Results") or [] if r.get("KV")]
+            for entry in entries:
+                if entry.get("Value") is not None:
+                    entry["Value"] = base64.b64decode(entry["Value"])
+            return {e["Key"]: e for e in entries}
+
+        with self._translated("reading " + ", ".join(prefixes)):
+            return self._api.http.put(answer, "/v1/txn", params=list(params.items()),
+                                      headers=self._api.prepare_headers(), data=json.dumps(ops))
 
     def session_create(self, *, name: str, ttl_ms: int, lock_delay_ms: int,
                        node_checks: list[str], service_checks: list[str]) -> str:

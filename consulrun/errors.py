@@ -50,7 +50,14 @@ class ManifestError(UsageError):
 
 
 class ConsulUnavailable(ConsulrunError):
+    """Consul could not serve a request. `transient`: the servers answered that they cannot yet
+    (no leader, an RPC error, a 5xx), which a leader election causes and which is worth retrying."""
+
     exit_code = ExitCode.CONSUL_UNAVAILABLE
+
+    def __init__(self, message: str, transient: bool = False) -> None:
+        super().__init__(message)
+        self.transient = transient
 
 
 class ConsulProtocolError(ConsulrunError):

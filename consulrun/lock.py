@@ -18,12 +18,13 @@ import os
 import socket
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any, Callable
 
 from consulrun import __version__
-from consulrun.consulapi import Client, decoded, kv_op, readable
+from consulrun.child import boot_id, process_start
+from consulrun.consulapi import Client, SessionInvalid, decoded, kv_op
 from consulrun.durations import LOCK_DELAY_RANGE_MS
 from consulrun.errors import ConsulrunError, UsageError
 
@@ -54,11 +55,20 @@ class LockSpec:
 
 @dataclass(frozen=True)
 class Fencing:
-    """Timings derived from lock-delay: how long a holder may go unconfirmed before killing its job."""
+    """Timings derived from lock-delay: how long a holder may go unconfirmed before killing its job.
+
+    Counted from the send time of the last read that confirmed the lock:
+    SIGTERM at `fence_after_s`, SIGKILL at `kill_by_s` (= fence_after_s + grace_s),
+    another node no earlier than lock-delay (= kill_by_s + SAFETY_MARGIN_S).
+    """
 
     grace_s: float
     fence_after_s: float
     watch_wait_s: float
+
+    @property
+    def kill_by_s(self) -> float:
+        return self.fence_after_s + self.grace_s
 
     @classmethod
     def for_lock_delay(cls, lock_delay_ms: int, ttl_ms: int) -> "Fencing":
@@ -79,7 +89,8 @@ class Held:
     fencing_token: int
     index: int
     value: dict[str, Any]
-    confirmed_at: float  # monotonic time the confirming read was sent
+    confirmed_at: float  # clock() when the confirming read was sent
+    results: list[dict[str, Any]] = field(default_factory=list)  # the acquiring transaction's results
 
 
 # Given the holder value about to be written, the operations to apply atomically with the acquisition.
@@ -92,6 +103,15 @@ class Interrupted(BaseException):
     def __init__(self, signum: int) -> None:
         super().__init__(signum)
         self.signum = signum
+
+
+def clock() -> float:
+    """Seconds on CLOCK_BOOTTIME: monotonic, and it keeps counting across system suspend.
+
+    Every fencing deadline is measured on it: a holder that slept through a
+    suspend must see that its lock-delay window has passed.
+    """
+    return time.clock_gettime(time.CLOCK_BOOTTIME)
 
 
 def now_iso() -> str:
@@ -116,14 +136,32 @@ def describe_holder(entry: dict[str, Any]) -> str:
     return f"{node} (pid {value.get('pid', '?')}, since {value.get('started', '?')}, session {entry.get('Session')})"
 
 
-class Locker:
-    """Acquires one of the job's lock keys for this node, or says who holds them."""
+def holder_is_dead_here(value: dict[str, Any]) -> bool:
+    """True when the holder value names a wrapper on this machine, this boot, whose process is gone.
 
-    def __init__(self, client: Client, spec: LockSpec) -> None:
+    The pid alone could be reused; the pid with its start time names one process.
+    """
+    pid, started = value.get("pid"), value.get("pid_start")
+    if not isinstance(pid, int) or not isinstance(started, int) or value.get("boot_id") != boot_id():
+        return False
+    return process_start(pid) != started
+
+
+class Locker:
+    """Acquires one of the job's lock keys for this node, or says who holds them.
+
+    The session it makes is kept alive by `keep_alive` while it waits (lock-delay
+    may outlast the TTL) and destroyed by `abandon` on every path that does not
+    end in a held lock.
+    """
+
+    def __init__(self, client: Client, spec: LockSpec, shield: Callable[[bool], None] = lambda on: None) -> None:
         self.client = client
         self.spec = spec
+        self.shield = shield  # defers termination signals while a lock may be taken but not yet known to us
         self.session: str | None = None
         self.node: str | None = None
+        self._renewed_at = 0.0
 
     def entries(self, index: int | None = None, wait_s: float | None = None) -> tuple[int, dict[str, dict[str, Any]]]:
         if self.spec.concurrency == 1:
@@ -134,8 +172,9 @@ class Locker:
 
     def _holder_value(self) -> dict[str, Any]:
         value = {"job": self.spec.job, "node": self.node, "host": socket.gethostname(), "pid": os.getpid(),
-                 "unit": _systemd_unit(), "invocation_id": os.environ.get("INVOCATION_ID"),
-                 "started": now_iso(), "session": self.session, "consulrun_version": __version__}
+                 "pid_start": process_start(os.getpid()), "boot_id": boot_id(), "unit": _systemd_unit(),
+                 "invocation_id": os.environ.get("INVOCATION_ID"), "started": now_iso(), "session": self.session,
+                 "consulrun_version": __version__}
         return {k: v for k, v in value.items() if v is not None}
 
     def _create_session(self) -> str:
@@ -152,79 +191,125 @@ class Locker:
         self.session = self.client.session_create(
             name=f"consulrun:{self.spec.job}@{self.node}", ttl_ms=self.spec.ttl_ms,
             lock_delay_ms=self.spec.lock_delay_ms, node_checks=node_checks, service_checks=service_checks)
+        self._renewed_at = clock()
         return self.session
 
-    def try_once(self, entries: dict[str, dict[str, Any]], claim: Claim | None = None,
-                 keep_session: bool = False) -> Held | None:
-        """Acquire a free slot seen in `entries`; None if all were taken (cleaning up our session unless kept).
+    def keep_alive(self) -> None:
+        """Renew our session if a third of its TTL has passed; forget it if Consul no longer knows it.
+
+        Renewals are not Raft writes. A session Consul destroyed meanwhile is
+        replaced by a new one at the next attempt, never read as a lost race.
+        """
+        if self.session is None or clock() - self._renewed_at < self.spec.ttl_ms / 3000:
+            return
+        if self.client.session_renew(self.session):
+            self._renewed_at = clock()
+        else:
+            log.info("%s: session %s expired while waiting; a new one will be made", self.spec.job, self.session)
+            self.session = None
+
+    def sleep(self, seconds: float) -> None:
+        """Sleep while keeping our session alive."""
+        end = clock() + seconds
+        while (left := end - clock()) > 0:
+            time.sleep(min(left, self.spec.ttl_ms / 3000))
+            self.keep_alive()
+
+    def reap_dead_holder(self, entries: dict[str, dict[str, Any]]) -> bool:
+        """Destroy the session of a holder whose wrapper on this machine is gone; True if one was.
+
+        Its session would otherwise live until its TTL ran out (up to 2 x TTL);
+        lock-delay still applies, as for any invalidation.
+        """
+        reaped = False
+        for entry in entries.values():
+            value = decoded(entry)
+            if entry.get("Session") and holder_is_dead_here(value):
+                log.warning("%s: the holder on this node (pid %s, session %s) is gone; destroying its session",
+                            self.spec.job, value.get("pid"), entry["Session"])
+                self.client.session_destroy(entry["Session"])
+                reaped = True
+        return reaped
+
+    def try_once(self, entries: dict[str, dict[str, Any]], claim: Claim | None = None) -> Held | None:
+        """Acquire a free slot seen in `entries` (keeping our session either way); None if none was had.
 
         With `claim`, its operations are applied in the same transaction as the
         acquisition, so the lock and the claim are taken together or not at all.
+        If Consul says our session is invalid (it expired or was destroyed while
+        we waited), a new one is made and the attempt repeated once.
         """
         free = [key for key in self.spec.keys() if not entries.get(key, {}).get("Session")]
-        if not free:
-            return None
-        session = self.session or self._create_session()
-        for key in free:
-            value = self._holder_value()
-            if claim is None:
-                acquired = self.client.kv_acquire(key, readable(value), session)
-            else:
-                acquired = self.client.txn([kv_op("lock", key, value, Session=session), *claim(value)]) is not None
-            if acquired:
-                sent = time.monotonic()
-                idx, entry = self.client.kv_get(key, consistent=True)
-                if entry and entry.get("Session") == session:
-                    return Held(key=key, session=session, fencing_token=int(entry["ModifyIndex"]), index=idx,
-                                value=value, confirmed_at=sent)
-        if not keep_session:
-            self.abandon()
+        for attempt in (1, 2):
+            session = self.session or self._create_session()
+            try:
+                for key in free:
+                    value = self._holder_value()
+                    self.shield(True)
+                    try:
+                        results = self.client.txn([kv_op("lock", key, value, Session=session),
+                                                   *(claim(value) if claim else [])])
+                        if results is None:
+                            continue
+                        sent = clock()
+                        idx, entry = self.client.kv_get(key, consistent=True)
+                    except BaseException:
+                        self.shield(False)
+                        raise
+                    if entry and entry.get("Session") == session:
+                        return Held(key=key, session=session, fencing_token=int(entry["ModifyIndex"]), index=idx,
+                                    value=value, confirmed_at=sent, results=results)
+                    self.shield(False)
+                return None
+            except SessionInvalid:
+                if attempt == 2:
+                    raise
+                log.info("%s: session %s no longer exists; making a new one", self.spec.job, session)
+                self.session = None
         return None
 
     def acquire(self) -> tuple[Held | None, str]:
-        """Acquire within the spec's wait; returns (held, why-not) and never leaves a session behind on failure.
+        """Acquire within the spec's wait; returns (held, why-not). The caller destroys the session on failure.
 
-        While lock-delay refuses a free key, the same session is tried again
-        (no new session per attempt); before a long blocking wait on a held
-        key it is destroyed, since nothing would renew it meanwhile.
+        After an invalidation, lock-delay refuses a free key for a while: the
+        same session, kept alive, is tried again when lock-delay should be over,
+        then at growing intervals, so a wait costs a bounded number of writes.
+        Before a long blocking wait on a held key the session is destroyed,
+        since nothing would renew it meanwhile.
         """
-        deadline = time.monotonic() + self.spec.wait_ms / 1000
+        deadline = clock() + self.spec.wait_ms / 1000
         index: int | None = None
+        retry = LockDelayRetry(self.spec.lock_delay_ms)
         while True:
-            remaining = deadline - time.monotonic()
+            remaining = deadline - clock()
             index, entries = self.entries(index=index, wait_s=remaining if index else None)
-            held = self.try_once(entries, keep_session=True)
-            if held:
-                return held, ""
+            if self.reap_dead_holder(entries):
+                index = None
+                continue
             holders = [describe_holder(e) for e in entries.values() if e.get("Session")]
-            if time.monotonic() >= deadline:
-                self.abandon()
+            if not holders:
+                held = self.try_once(entries)
+                if held:
+                    return held, ""
+            if clock() >= deadline:
                 reason = f"held by {'; '.join(holders)}" if holders else "lost the race for the lock"
                 return None, reason
             if holders:
                 self.abandon()
-            else:  # freed by invalidation: lock-delay refuses us for a while; do not spin
-                time.sleep(min(0.5, max(0.0, deadline - time.monotonic())))
+            else:  # refused while free: lock-delay after an invalidation, or a lost race
+                self.sleep(min(retry.next_wait(), max(0.0, deadline - clock())))
                 index = None
 
-    def release(self, held: Held, outcome: dict[str, Any], extra_ops: list[dict[str, Any]] | None = None) -> None:
-        """Free the key (recording how the run ended in its value) and destroy the session.
+    def release(self, held: Held, outcome: dict[str, Any], extra_ops: list[dict[str, Any]] | None = None) -> bool:
+        """Free the key (recording how the run ended in its value), with `extra_ops` in the same transaction.
 
-        `extra_ops` are applied in the same transaction, which Consul rolls back
-        if the lock is no longer ours.
+        True if released; False if the lock was no longer ours (Consul rolled
+        the transaction back). Transient failures raise ConsulUnavailable: the
+        caller retries. The session is not destroyed here (see `abandon`).
         """
         # The run's own end time wins, so the lock's value and the occurrence record agree.
         value = {"state": "free", "last": {**held.value, "ended": now_iso(), **outcome}}
-        try:
-            if extra_ops:
-                if self.client.txn([kv_op("unlock", held.key, value, Session=held.session), *extra_ops]) is None:
-                    log.warning("%s: the lock was no longer ours; the run's result was not recorded", self.spec.job)
-            else:
-                self.client.kv_release(held.key, readable(value), held.session)
-        except ConsulrunError as exc:
-            log.warning("%s: could not release %s (%s); the session's invalidation will free it", self.spec.job,
-                        held.key, exc)
-        self.abandon()
+        return self.client.txn([kv_op("unlock", held.key, value, Session=held.session), *(extra_ops or [])]) is not None
 
     def abandon(self) -> None:
         """Destroy our session if we made one; a failure here is logged, the TTL ends it anyway."""
@@ -235,6 +320,29 @@ class Locker:
             self.client.session_destroy(session)
         except ConsulrunError as exc:
             log.warning("%s: could not destroy session %s (%s); its TTL will end it", self.spec.job, session, exc)
+
+
+class LockDelayRetry:
+    """When to try a free-but-refused key again: once lock-delay should be over, then backing off.
+
+    Every attempt is a Raft write; this keeps a wait through lock-delay to a
+    handful of them however long lock-delay is.
+    """
+
+    def __init__(self, lock_delay_ms: int) -> None:
+        self.lock_delay_s = lock_delay_ms / 1000
+        self.first_refusal: float | None = None
+        self.backoff = 0.5
+
+    def next_wait(self) -> float:
+        now = clock()
+        if self.first_refusal is None:
+            self.first_refusal = now
+        due = self.first_refusal + self.lock_delay_s + 0.2
+        if now < due:
+            return due - now
+        wait, self.backoff = self.backoff, min(self.backoff * 2, 5.0)
+        return wait
 
 
 class Watcher(threading.Thread):
@@ -260,11 +368,19 @@ class Watcher(threading.Thread):
             os.write(self._wake_writer, b"!")
 
     def run(self) -> None:
+        try:
+            self._watch()
+        except BaseException as exc:  # noqa: BLE001 - whatever breaks the watcher must fence the job, not vanish
+            self._lose(f"the lock watcher failed: {exc!r}")
+
+    def _watch(self) -> None:
         index = self.held.index
-        last_renew = time.monotonic()
+        last_renew = clock()
         renew_every = self.spec.ttl_ms / 3000
+        failing_since: float | None = None
+        last_warned = 0.0
         while not self._stop_event.is_set():
-            sent = time.monotonic()
+            sent = clock()
             try:
                 if sent - last_renew >= renew_every:
                     if not self.client.session_renew(self.held.session):
@@ -273,11 +389,20 @@ class Watcher(threading.Thread):
                 new_index, entry = self.client.kv_get(self.held.key, index=index, consistent=True,
                                                       wait_s=self.fencing.watch_wait_s)
             except ConsulrunError as exc:
-                log.warning("%s: cannot confirm the lock: %s", self.spec.job, exc)
+                now = clock()
+                if failing_since is None or now - last_warned >= 5:
+                    left = self.last_confirmed + self.fencing.fence_after_s - now
+                    log.warning("%s: cannot confirm the lock: %s; the job is stopped in %.0fs unless Consul answers",
+                                self.spec.job, exc, max(0.0, left))
+                    failing_since = failing_since or now
+                    last_warned = now
                 self._stop_event.wait(0.2)
                 continue
             if entry is None or entry.get("Session") != self.held.session:
                 holder = describe_holder(entry) if entry and entry.get("Session") else "nobody"
                 return self._lose(f"the lock was released or taken over; now held by {holder}")
+            if failing_since is not None:
+                log.info("%s: the lock is confirmed again", self.spec.job)
+                failing_since = None
             self.last_confirmed = sent
             index = new_index if new_index >= index else 0

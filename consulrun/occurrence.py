@@ -1,32 +1,44 @@
 """Exactly once per scheduled occurrence: the per-job record, its history, and the decisions on them.
 
 Keys under `<prefix>/<job>/`:
-  occurrence          the latest claimed occurrence: {occurrence, state, node, session, started, ...}
-  history/<occurrence> one record per run, the newest N kept
+  occurrence           the latest claimed occurrence: {occurrence, state, node, session, started, attempt, ...}
+  history/<occurrence> the final record of each occurrence (with its earlier attempts), the newest N kept
 
 A node whose timer fired computes the occurrence (the latest scheduled time at
-or before now) and reads `occurrence`: if that occurrence, or a later one, is
-claimed already, it skips without writing. Otherwise it acquires the lock and
-claims the occurrence in one transaction that also checks the record has not
-changed since it was read (check-and-set on its ModifyIndex), so two nodes
-that both saw the old record cannot both claim. The run's result, its history
-entry and the release of the lock are again one transaction, which fails if
-the lock is no longer ours: a fenced holder cannot overwrite a takeover.
+or before now) and reads the record and the lock in one read-only transaction
+(a snapshot, no Raft write). If that occurrence, or a later one, is claimed
+already, it skips without writing. Otherwise it acquires the lock and claims
+the occurrence in one transaction that also checks the record has not changed
+since it was read (check-and-set on its ModifyIndex), so two nodes that both
+saw the old record cannot both claim. The run's result, its history entry and
+the release of the lock are again one transaction, which fails if the lock is
+no longer ours: a fenced holder cannot overwrite a takeover. A fenced runner
+records `lost` with a check-and-set on the record as its claim left it, so it
+can never overwrite a later attempt either.
+
+Record states: running, done (with exit status), lost (fenced, or the session
+destroyed), abandoned (the runner's session died before it recorded anything;
+written by the next node that sees it). Under `retry`, lost and abandoned
+occurrences are run again (attempt + 1); under `skip`, never.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import logging
 import time
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
 
-from consulrun import calendar
+from consulrun import calendar, testhook
 from consulrun.consulapi import Client, decoded, kv_op
 from consulrun.errors import ConsulrunError
-from consulrun.lock import Held, Locker, describe_holder
+from consulrun.lock import Held, Locker, LockDelayRetry, clock, describe_holder, now_iso
+
+log = logging.getLogger("consulrun")
 
 POLICIES = ("skip", "retry")
+FAILED_STATES = ("lost", "abandoned")
 
 
 @dataclass(frozen=True)
@@ -34,13 +46,33 @@ class Occurrence:
     when: datetime
     id: str
     next_when: datetime | None  # when the following occurrence is due; standbys give up then
+    specs: tuple[str, ...] = ()
 
 
 def current(specs: list[str], now: datetime) -> Occurrence | None:
     when = calendar.previous(specs, now)
     if when is None:
         return None
-    return Occurrence(when=when, id=calendar.occurrence_id(when), next_when=calendar.following(specs, when))
+    return Occurrence(when=when, id=calendar.occurrence_id(when), next_when=calendar.following(specs, when),
+                      specs=tuple(specs))
+
+
+@dataclass
+class Snapshot:
+    """The record and the lock as one consistent view."""
+
+    record_index: int  # ModifyIndex of the record, 0 if absent
+    record: dict[str, Any] | None
+    lock: dict[str, Any] | None  # the lock key's entry
+
+    @property
+    def holder_session(self) -> str | None:
+        return (self.lock or {}).get("Session")
+
+    def runner_alive(self) -> bool:
+        """The record's runner still holds the lock (claim and lock are taken together, released together)."""
+        return bool(self.record) and self.holder_session is not None \
+            and self.holder_session == self.record.get("session")
 
 
 class Ledger:
@@ -49,45 +81,88 @@ class Ledger:
     def __init__(self, client: Client, base: str, history_size: int) -> None:
         self.client = client
         self.record_key = f"{base}/occurrence"
+        self.lock_key = f"{base}/lock"
         self.history_prefix = f"{base}/history/"
         self.history_size = history_size
 
-    def read(self, consistent: bool = False) -> tuple[int, dict[str, Any] | None]:
-        """(ModifyIndex of the record, 0 if absent; the record)."""
-        _, entry = self.client.kv_get(self.record_key, consistent=consistent)
-        return (int(entry["ModifyIndex"]) if entry else 0), decoded(entry) or None
+    def snapshot(self, consistent: bool = False) -> Snapshot:
+        entries = self.client.read_trees([self.record_key, self.lock_key], consistent=consistent)
+        record_entry, lock = entries.get(self.record_key), entries.get(self.lock_key)
+        return Snapshot(record_index=int(record_entry["ModifyIndex"]) if record_entry else 0,
+                        record=decoded(record_entry) or None, lock=lock)
 
     @staticmethod
-    def verdict(record: dict[str, Any] | None, occ: Occurrence) -> str:
-        """'free' (nobody has it), 'done', 'running', or 'later' (a newer occurrence is claimed)."""
+    def verdict(snap: Snapshot, occ: Occurrence) -> str:
+        """'free' (nobody has it), 'done', 'running', 'dead' (running, but its runner lost the lock),
+        'failed' (recorded lost or abandoned), or 'later' (a newer occurrence is claimed)."""
+        record = snap.record
         if record is None or record.get("occurrence", "") < occ.id:
             return "free"
         if record["occurrence"] > occ.id:
             return "later"
-        return "done" if record.get("state") == "done" else "running"
+        state = record.get("state")
+        if state == "done":
+            return "done"
+        if state in FAILED_STATES:
+            return "failed"
+        return "running" if snap.runner_alive() else "dead"
 
-    def claim_ops(self, occ: Occurrence, record_index: int, record: dict[str, Any] | None,
-                  holder: dict[str, Any], takeover: bool) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-        """Operations that claim `occ`, valid only if the record is still at `record_index`."""
+    def claim_ops(self, occ: Occurrence, snap: Snapshot, holder: dict[str, Any],
+                  takeover: bool) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+        """Operations that claim `occ`, valid only if the record is still at the index read."""
+        record = snap.record or {}
+        earlier: list[dict[str, Any]] = []
+        if takeover:
+            earlier = [*record.get("earlier", []), _final(record, "abandoned", ABANDONED_REASON)]
         claim = {"occurrence": occ.id, "state": "running", "node": holder.get("node"), "session": holder.get("session"),
-                 "started": holder.get("started"), "takeover": takeover}
-        ops = [kv_op("cas", self.record_key, claim, Index=record_index)]
-        if record and record.get("state") == "running" and record.get("occurrence") != occ.id:
+                 "started": holder.get("started"), "takeover": takeover, "attempt": len(earlier) + 1,
+                 "schedule": list(occ.specs), "earlier": earlier}
+        ops = [kv_op("cas", self.record_key, claim, Index=snap.record_index)]
+        if record.get("state") == "running" and record.get("occurrence", "") < occ.id:
             # Its runner died before recording a result: say so in the history rather than leave a gap.
-            ops.append(kv_op("set", self.history_prefix + record["occurrence"], {**record, "state": "abandoned"}))
+            ops.append(kv_op("set", self.history_prefix + record["occurrence"],
+                             _final(record, "abandoned", ABANDONED_REASON)))
         return ops, claim
 
-    def finish_ops(self, claim: dict[str, Any], outcome: dict[str, Any]) -> list[dict[str, Any]]:
-        """Operations that record the run's result and its history entry, pruning the oldest entries."""
-        done = {**claim, **outcome, "state": "done" if "lost" not in outcome else "lost"}
-        ops = [kv_op("set", self.record_key, done), kv_op("set", self.history_prefix + claim["occurrence"], done)]
+    def finish_ops(self, claim: dict[str, Any], outcome: dict[str, Any], claim_index: int) -> list[dict[str, Any]]:
+        """Operations that record the run's result and its history entry, pruning the oldest entries.
+
+        The record is check-and-set on its index as our claim left it: a result never overwrites a takeover.
+        """
+        done = {**claim, **outcome, "state": "done"}
+        ops = [kv_op("cas", self.record_key, done, Index=claim_index), kv_op("set", self.history_prefix + claim["occurrence"], done)]
         try:
-            _, keys = self.client.kv_get(self.history_prefix, recurse=True)
+            _, entries = self.client.kv_get(self.history_prefix, recurse=True)
         except ConsulrunError:  # pruning can wait for the next run; recording the result cannot
-            keys = []
-        names = sorted({e["Key"] for e in keys or []} | {self.history_prefix + claim["occurrence"]})
+            entries = []
+        names = sorted({e["Key"] for e in entries or []} | {self.history_prefix + claim["occurrence"]})
         ops += [kv_op("delete", key) for key in names[:max(0, len(names) - self.history_size)][:50]]
         return ops
+
+    def failed_ops(self, record: dict[str, Any], record_index: int, state: str,
+                   reason: str) -> list[dict[str, Any]]:
+        """Record `record`'s attempt as lost/abandoned, only if the record is still at `record_index`."""
+        final = _final(record, state, reason)
+        return [kv_op("cas", self.record_key, final, Index=record_index),
+                kv_op("set", self.history_prefix + record["occurrence"], final)]
+
+    def record_index_after_claim(self, held: Held) -> int:
+        """The record's ModifyIndex as our claim left it (from the claim transaction's results)."""
+        for result in held.results:
+            kv = result.get("KV") or {}
+            if kv.get("Key") == self.record_key:
+                return int(kv["ModifyIndex"])
+        raise ConsulrunError("the claim transaction did not return the occurrence record")
+
+
+ABANDONED_REASON = "its runner's session ended before a result was recorded (the runner or its node died)"
+
+
+def _final(record: dict[str, Any], state: str, reason: str) -> dict[str, Any]:
+    """`record` closed as `state`; a state already final (lost with its own reason) is kept."""
+    if record.get("state") in FAILED_STATES:
+        return dict(record)
+    return {**record, "state": state, "reason": reason, "ended": now_iso()}
 
 
 def acquire(locker: Locker, ledger: Ledger, occ: Occurrence, policy: str,
@@ -95,46 +170,67 @@ def acquire(locker: Locker, ledger: Ledger, occ: Occurrence, policy: str,
     """Claim `occ` for this node: (held lock, claim record, "") or (None, None, why this node skips).
 
     Reads decide every skip; writes happen only when the record shows the
-    occurrence unclaimed and the lock free. With policy "retry" a node that
-    finds the occurrence running stands by on blocking reads of the lock until
-    the next occurrence is due, and takes the occurrence over if its runner's
-    session dies before recording a result.
+    occurrence unclaimed (or, under "retry", its attempt failed) and the lock
+    free. With policy "retry" a node that finds the occurrence running stands by
+    on blocking reads of the lock until the next occurrence is due, and takes
+    the occurrence over if its runner's session dies before recording a result.
+    The caller destroys the session on every path that returns no lock.
     """
-    deadline = time.monotonic() + wait_s
+    deadline = clock() + wait_s
     if policy == "retry" and occ.next_when is not None:
-        deadline = max(deadline, time.monotonic() + (occ.next_when - datetime.now(timezone.utc)).total_seconds())
+        deadline = max(deadline, clock() + (occ.next_when - datetime.now(timezone.utc)).total_seconds())
     consistent = False
+    retry = LockDelayRetry(locker.spec.lock_delay_ms)
+    raced = False
     while True:
-        record_index, record = ledger.read(consistent=consistent)
+        snap = ledger.snapshot(consistent=consistent)
         consistent = True  # the first look may be stale; every later one decides a takeover
-        state = ledger.verdict(record, occ)
+        if snap.holder_session and locker.reap_dead_holder({ledger.lock_key: snap.lock}):
+            continue
+        state = ledger.verdict(snap, occ)
+        record = snap.record or {}
         if state == "later":
             return None, None, f"a later occurrence ({record['occurrence']}) is already claimed; {occ.id} is past"
         if state == "done":
             return None, None, (f"occurrence {occ.id} already ran on {record.get('node')} "
                                 f"(exit status {record.get('exit_status', '?')})")
-        if state == "running" and policy == "skip":
-            return None, None, f"occurrence {occ.id} was claimed by {record.get('node')} (on_holder_loss=skip)"
-        lock_index, entries = locker.entries()
-        holders = [e for e in entries.values() if e.get("Session")]
-        if not holders:
+        if state == "dead" and policy == "skip":
+            ops = ledger.failed_ops(record, snap.record_index, "abandoned", ABANDONED_REASON)
+            if locker.client.txn(ops) is not None:
+                log.info("%s: occurrence %s was abandoned by %s; recorded", locker.spec.job, occ.id, record.get("node"))
+            continue
+        if state in ("running", "failed", "dead") and policy == "skip":
+            how = {"running": f"was claimed by {record.get('node')} and is running",
+                   "failed": f"was claimed by {record.get('node')} and ended {record.get('state')}; it is not run again"
+                   }[state]
+            lost_race = " (this node lost the race for it)" if raced else ""
+            return None, None, f"occurrence {occ.id} {how}{lost_race} (on_holder_loss=skip)"
+        holders = [snap.lock] if snap.holder_session else []
+        if not holders and state != "running":
             claimed: dict[str, Any] = {}
+            takeover = state in ("failed", "dead")
 
             def claim(value: dict[str, Any]) -> list[dict[str, Any]]:
-                ops, claimed["record"] = ledger.claim_ops(occ, record_index, record, value, takeover=state == "running")
+                ops, claimed["record"] = ledger.claim_ops(occ, snap, value, takeover=takeover)
                 return ops
 
-            held = locker.try_once(entries, claim=claim, keep_session=True)
+            testhook.pause("before-claim")
+            held = locker.try_once({ledger.lock_key: snap.lock} if snap.lock else {}, claim=claim)
             if held:
                 return held, claimed["record"], ""
-        remaining = deadline - time.monotonic()
+            raced = True
+        remaining = deadline - clock()
         if remaining <= 0:
-            locker.abandon()
-            who = "; ".join(describe_holder(e) for e in holders)
-            return None, None, (f"the previous run still holds the lock: {who}" if holders
-                                else f"could not claim occurrence {occ.id}")
+            if holders and state == "free":
+                return None, None, f"the previous run still holds the lock: {describe_holder(snap.lock or {})}"
+            if state == "running":
+                return None, None, (f"occurrence {occ.id} is still running on {record.get('node')}; "
+                                    "the next occurrence is due, so this node stops standing by")
+            return None, None, f"could not claim occurrence {occ.id}"
         if holders:
             locker.abandon()  # a session must not outlive its TTL unrenewed while we wait
-            locker.entries(index=lock_index, wait_s=remaining)
-        else:  # lock-delay after an invalidation, or a lost race: look again shortly
-            time.sleep(min(0.5, remaining))
+            log.debug("%s: standing by while %s holds the lock", locker.spec.job, describe_holder(snap.lock or {}))
+            locker.client.kv_get(ledger.lock_key, index=int((snap.lock or {}).get("ModifyIndex", 0)),
+                                 wait_s=min(remaining, 300))
+        else:  # lock-delay after an invalidation, or a lost race: look again when it should be over
+            locker.sleep(min(retry.next_wait(), remaining))

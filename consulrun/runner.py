@@ -1,9 +1,15 @@
 """`consulrun run`: take the lock, run the job while the lock is confirmed, let go.
 
 Phases and what a termination signal does in each:
-  waiting for the lock  -> stop waiting at once, clean up, exit 128+N
-  job running           -> forward the signal to the job's whole group, wait for it
-  lock lost             -> the job's group is killed (SIGTERM, then SIGKILL), exit 75
+  waiting for the lock   -> stop waiting at once, destroy the session, exit 128+N
+  acquired, not started  -> the job is not started; the claim is recorded lost, the lock released, exit 128+N
+  job running            -> forwarded to every process of the job; the job's own status is passed through
+  lock lost              -> every process of the job is killed (SIGTERM, then SIGKILL), exit 75
+  releasing              -> the release completes, exit 128+N
+
+The invariant every path keeps: the lock is released only after every process
+of the job is gone. If that cannot be made sure, the lock is not released and
+the session's invalidation frees it (lock-delay applies).
 """
 
 from __future__ import annotations
@@ -17,16 +23,18 @@ import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from types import FrameType
+from typing import Any
 
+from consulrun import occurrence, testhook
 from consulrun.child import Job, become_subreaper
 from consulrun.consulapi import Client, ConsulConfig
-from consulrun import occurrence
-from consulrun.errors import ExitCode, JobNotStarted, UsageError
-from consulrun.lock import Fencing, Held, Interrupted, Locker, LockSpec, Watcher, now_iso as _now
+from consulrun.errors import ConsulUnavailable, ExitCode, JobNotStarted, UsageError
+from consulrun.lock import Fencing, Held, Interrupted, Locker, LockSpec, Watcher, clock, now_iso as _now
 
 log = logging.getLogger("consulrun")
 
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+START_RETRY_S = 30.0  # how long a transient "no leader" / 5xx at start is retried before exit 69
 
 
 @dataclass(frozen=True)
@@ -40,63 +48,121 @@ class RunRequest:
 
 
 class _Signals:
-    """Signal handling that changes with the phase: interrupt the wait, or forward to the job."""
+    """Signal handling that changes with the phase: interrupt the wait, hold for later, or forward to the job.
+
+    Every signal also writes to a wake-up pipe, so the supervising select()
+    returns at once on SIGCHLD (the job exited: no pidfd needed) and on SIGCONT
+    (the wrapper was stopped: deadlines are checked again at once).
+    """
 
     def __init__(self) -> None:
         self.job: Job | None = None
+        self.interruptible = True
         self.received: list[int] = []
-        self._previous = {sig: signal.getsignal(sig) for sig in FORWARDED}
+        self._forwarded = 0
+        self._job_got: set[int] = set()  # indexes into `received` that reached a running job
+        self.wakeup, writer = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self._writer = writer
+        self._previous_fd = signal.set_wakeup_fd(writer, warn_on_full_buffer=False)
+        self._previous = {sig: signal.getsignal(sig) for sig in (*FORWARDED, signal.SIGCHLD, signal.SIGCONT)}
         for sig in FORWARDED:
             signal.signal(sig, self._handle)
+        for sig in (signal.SIGCHLD, signal.SIGCONT):
+            signal.signal(sig, lambda _signum, _frame: None)
 
     def _handle(self, signum: int, _frame: FrameType | None) -> None:
         self.received.append(signum)
-        if self.job is None:
+        if self.job is not None:
+            self.forward_pending()
+        elif self.interruptible:
             raise Interrupted(signum)
-        log.info("%s received; forwarding it to the job's process group", signal.Signals(signum).name)
-        self.job.signal(signum)
+
+    def forward_pending(self) -> None:
+        if self.job is None:
+            return
+        while self._forwarded < len(self.received):
+            signum = self.received[self._forwarded]
+            self._forwarded += 1
+            if self.job.status is None:
+                log.info("%s received; forwarding it to the job's processes", signal.Signals(signum).name)
+                self.job.signal(signum)
+                self._job_got.add(self._forwarded - 1)
+
+    def unforwarded(self) -> list[int]:
+        """Termination signals that arrived while no job was running to receive them."""
+        return [sig for i, sig in enumerate(self.received) if i not in self._job_got]
+
+    def shield(self, on: bool) -> None:
+        """While shielded, a termination signal is held for later instead of interrupting (a lock being taken)."""
+        self.interruptible = not on and self.job is None
+        if self.interruptible and self.received:
+            raise Interrupted(self.received[0])
+
+    def drain(self) -> None:
+        try:
+            while os.read(self.wakeup, 512):
+                pass
+        except BlockingIOError:
+            pass
 
     def restore(self) -> None:
+        signal.set_wakeup_fd(self._previous_fd)
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
+        os.close(self.wakeup)
+        os.close(self._writer)
 
 
-def _supervise(job: Job, watcher: Watcher, fencing: Fencing, name: str) -> tuple[int, str | None]:
-    """Wait for the job while the watcher confirms the lock; kill the group as soon as it may be lost.
+def _supervise(job: Job, watcher: Watcher, fencing: Fencing, signals: _Signals, name: str) -> tuple[int, str | None]:
+    """Wait for the job while the watcher confirms the lock; kill all of it as soon as the lock may be lost.
 
-    Sleeps in select() on the job's pidfd and the watcher's wake-up pipe, so a job
-    exit or a lost lock is acted on at once, and the fencing deadline bounds every sleep.
+    Deadlines are absolute on CLOCK_BOOTTIME and every sleep is short, so a
+    wrapper that was stopped, starved or suspended past its deadline notices at
+    once on waking and, with no time left for a grace period, SIGKILLs the job.
     """
-    pidfd = os.pidfd_open(job.pgid)
-    try:
-        while True:
-            status = job.poll()
-            if status is not None:
-                return status, None
-            reason = watcher.lost_reason
-            unconfirmed = time.monotonic() - watcher.last_confirmed
-            if reason is None and unconfirmed > fencing.fence_after_s:
-                reason = (f"lock not confirmed for {unconfirmed:.1f}s; another node may acquire it "
-                          f"{fencing.fence_after_s + fencing.grace_s + 1:.0f}s after the last confirmation")
-            if reason:
-                log.error("%s: lock lost: %s; killing the job's process group", name, reason)
-                job.kill_group(fencing.grace_s)
-                return ExitCode.LOCK_LOST, reason
-            timeout = max(0.0, fencing.fence_after_s - unconfirmed) + 0.01
-            readable, _, _ = select.select([pidfd, watcher.wakeup], [], [], timeout)
-            if watcher.wakeup in readable:
-                os.read(watcher.wakeup, 64)
-    finally:
-        os.close(pidfd)
+    while True:
+        status = job.poll()
+        if status is not None:
+            return status, None
+        now = clock()
+        reason = watcher.lost_reason
+        deadline = watcher.last_confirmed + fencing.fence_after_s
+        if reason is None and now >= deadline:
+            reason = (f"lock not confirmed for {now - watcher.last_confirmed:.1f}s; another node may acquire it "
+                      f"{fencing.kill_by_s + 1:.0f}s after the last confirmation")
+        if reason:
+            grace = watcher.last_confirmed + fencing.kill_by_s - now
+            how = f"SIGTERM, SIGKILL after {grace:.1f}s" if grace > 0 else "SIGKILL at once: no time is left for a grace period"
+            log.error("%s: lock lost: %s; killing the job's processes (%s)", name, reason, how)
+            job.kill_all(min(fencing.grace_s, grace), now=clock)
+            return ExitCode.LOCK_LOST, reason
+        select.select([signals.wakeup, watcher.wakeup], [], [], min(deadline - now, 1.0) + 0.01)
+        signals.drain()
+        try:
+            os.read(watcher.wakeup, 64) if watcher.lost_reason else None
+        except BlockingIOError:
+            pass
 
 
 def _job_environment(held: Held, spec: LockSpec, claim: dict[str, object] | None) -> dict[str, str]:
     env = dict(os.environ)
+    for name in ("CONSULRUN_TEST_PAUSE", "CONSULRUN_TEST_HOOK_DIR"):
+        env.pop(name, None)
     env.update({"CONSULRUN_JOB": spec.job, "CONSULRUN_SESSION": held.session, "CONSULRUN_LOCK_KEY": held.key,
                 "CONSULRUN_FENCING_TOKEN": str(held.fencing_token)})
     if claim:
         env["CONSULRUN_OCCURRENCE"] = str(claim["occurrence"])
     return env
+
+
+def _start_retry_budget(request: RunRequest) -> float:
+    """Transient answers at start are retried this long: START_RETRY_S, and at most half the occurrence's span."""
+    if not request.schedules:
+        return START_RETRY_S
+    occ = occurrence.current(list(request.schedules), datetime.now(timezone.utc))
+    if occ is None or occ.next_when is None:
+        return START_RETRY_S
+    return max(0.0, min(START_RETRY_S, (occ.next_when - datetime.now(timezone.utc)).total_seconds() / 2))
 
 
 def run(request: RunRequest, config: ConsulConfig) -> int:
@@ -106,36 +172,60 @@ def run(request: RunRequest, config: ConsulConfig) -> int:
     if not shutil.which(request.command[0]):  # fail before touching the lock, not after taking it
         raise JobNotStarted(f"cannot start {request.command[0]}: not found or not executable")
     client = Client(config)
-    locker = Locker(client, spec)
     signals = _Signals()
+    locker = Locker(client, spec, shield=signals.shield)
     try:
+        held: Held | None = None
         try:
-            ledger, claim = None, None
-            if request.schedules:
-                occ = occurrence.current(list(request.schedules), datetime.now(timezone.utc))
-                if occ is None:
-                    raise UsageError("the schedule has no occurrence at or before now; nothing to run")
-                ledger = occurrence.Ledger(client, spec.base, request.history)
-                held, claim, why = occurrence.acquire(locker, ledger, occ, request.on_holder_loss, spec.wait_ms / 1000)
-            else:
-                held, why = locker.acquire()
+            held, ledger, claim, why = _acquire_with_retries(request, locker)
         except Interrupted as exc:
             log.info("%s: %s while waiting for the lock; not running", spec.job, signal.Signals(exc.signum).name)
-            locker.abandon()
             return 128 + exc.signum
-        except BaseException:
-            locker.abandon()
-            raise
+        finally:
+            if held is None:
+                signals.interruptible = False
+                locker.abandon()
         if held is None:
             log.info("%s: skipped: %s", spec.job, why)
             return request.skip_exit_code
-        return _run_held(request, locker, held, fencing, signals, ledger, claim)
+        signals.interruptible = False
+        status = _run_held(request, locker, held, fencing, signals, ledger, claim)
+        late = signals.unforwarded()
+        return 128 + late[0] if late else status
     finally:
         signals.restore()
 
 
+def _acquire_with_retries(request: RunRequest, locker: Locker) -> tuple[Held | None, occurrence.Ledger | None,
+                                                                         dict[str, Any] | None, str]:
+    """Acquire (and claim), retrying answers a leader election gives for a bounded time; then fail closed."""
+    spec = request.spec
+    give_up = clock() + _start_retry_budget(request)
+    backoff = 0.25
+    while True:
+        try:
+            if not request.schedules:
+                held, why = locker.acquire()
+                return held, None, None, why
+            occ = occurrence.current(list(request.schedules), datetime.now(timezone.utc))
+            if occ is None:
+                raise UsageError("the schedule has no occurrence at or before now; nothing to run")
+            ledger = occurrence.Ledger(locker.client, spec.base, request.history)
+            held, claim, why = occurrence.acquire(locker, ledger, occ, request.on_holder_loss, spec.wait_ms / 1000)
+            return held, ledger, claim, why
+        except ConsulUnavailable as exc:
+            if not exc.transient or clock() + backoff > give_up:
+                raise
+            if backoff == 0.25:
+                log.warning("%s: Consul cannot serve requests yet (%s); retrying for up to %.0fs", spec.job, exc,
+                            give_up - clock())
+            locker.abandon()
+            time.sleep(backoff)
+            backoff = min(backoff * 2, 4.0)
+
+
 def _run_held(request: RunRequest, locker: Locker, held: Held, fencing: Fencing, signals: _Signals,
-              ledger: occurrence.Ledger | None, claim: dict[str, object] | None) -> int:
+              ledger: occurrence.Ledger | None, claim: dict[str, Any] | None) -> int:
     spec = request.spec
     which = ""
     if claim:
@@ -143,22 +233,127 @@ def _run_held(request: RunRequest, locker: Locker, held: Held, fencing: Fencing,
     log.info("%s: acquired %s%s (session %s, fencing token %d)", spec.job, held.key, which, held.session,
              held.fencing_token)
     watcher = Watcher(locker.client, spec, held, fencing)
-    outcome: dict[str, object] = {}
+    job: Job | None = None
+    outcome: dict[str, Any] = {}
+    status: int = ExitCode.SOFTWARE
     try:
+        testhook.pause("acquired", lambda: bool(signals.received))
+        if signals.received:
+            signum = signals.received[0]
+            log.info("%s: %s after acquiring the lock; the job is not started", spec.job, signal.Signals(signum).name)
+            outcome = {"lost": f"{signal.Signals(signum).name} before the job started"}
+            return 128 + signum
+        watcher.start()  # before the fork: if no thread can be started, no job has been either
         become_subreaper()
         job = Job(list(request.command), _job_environment(held, spec, claim))
         signals.job = job
-        watcher.start()
-        status, lost = _supervise(job, watcher, fencing, spec.job)
-        if not lost and job.group_alive():
-            log.warning("%s: the job exited but left processes in its group; stopping them", spec.job)
-            job.kill_group(fencing.grace_s)
+        signals.forward_pending()
+        testhook.pause("started")
+        status, lost = _supervise(job, watcher, fencing, signals, spec.job)
+        if not lost and job.alive():
+            log.warning("%s: the job exited but left processes behind; stopping them", spec.job)
+            job.kill_all(fencing.grace_s, now=clock)
         outcome = {"exit_status": status, "ended": _now(), **({"lost": lost} if lost else {})}
         if not lost:
             log.info("%s: job exited with status %d", spec.job, status)
         return status
+    except JobNotStarted as exc:
+        outcome = {"lost": str(exc)}
+        status = exc.exit_code
+        log.error("%s: %s", spec.job, exc.message)
+        return status
+    except Exception as exc:  # noqa: BLE001 - after the fork nothing may escape before the job is dead
+        log.error("%s: consulrun failed after taking the lock (%s: %s); no process of the job is left", spec.job,
+                  type(exc).__name__, exc)
+        outcome = {"lost": f"consulrun failed: {type(exc).__name__}: {exc}"}
+        return ExitCode.SOFTWARE
     finally:
         watcher.stop()
-        extra = ledger.finish_ops(claim, outcome) if ledger and claim and outcome and not outcome.get("lost") else None
-        locker.release(held, outcome, extra)
-        log.info("%s: released %s", spec.job, held.key)
+        if _job_gone(job, spec.job):
+            testhook.pause("releasing")
+            _close(locker, held, ledger, claim, outcome)
+        else:
+            locker.session = None  # never destroy it: the lock must outlive the job's processes
+
+
+def _job_gone(job: Job | None, name: str) -> bool:
+    """Make sure no process of the job is left (SIGKILL); False if that could not be made sure."""
+    if job is None:
+        return True
+    try:
+        if job.alive():
+            job.kill_all(0)
+        return True
+    except Exception as exc:  # noqa: BLE001 - cannot prove the job dead: keep the lock, let Consul expire it
+        log.error("%s: cannot make sure the job's processes are gone (%s); not releasing the lock: its session "
+                  "ends by TTL and lock-delay applies", name, exc)
+        return False
+
+
+FINISH_RETRY_S = 30.0
+
+
+def _close(locker: Locker, held: Held, ledger: occurrence.Ledger | None, claim: dict[str, Any] | None,
+           outcome: dict[str, Any]) -> None:
+    """Record the outcome and release, retrying transient failures for a bounded time; destroy the session.
+
+    A completed run that could not be recorded would be re-run by a `retry`
+    standby, so one failed write (a leader election, a restarting agent) is not
+    the end. If the lock is no longer ours, the result is still recorded with a
+    check-and-set on the record as our claim left it: it lands unless another
+    node has taken the occurrence over.
+    """
+    job = locker.spec.job
+    give_up = clock() + FINISH_RETRY_S
+    backoff = 0.25
+    while True:
+        try:
+            if _record_and_release(locker, held, ledger, claim, outcome):
+                log.info("%s: released %s", job, held.key)
+            break
+        except ConsulUnavailable as exc:
+            if clock() + backoff > give_up:
+                log.warning("%s: could not release %s (%s); the session's invalidation will free it", job, held.key,
+                            exc)
+                locker.session = None  # destroying it would fail the same way; its TTL ends it
+                return
+            if backoff == 0.25:
+                log.warning("%s: Consul cannot record the result yet (%s); retrying for up to %.0fs", job, exc,
+                            give_up - clock())
+            time.sleep(backoff)
+            backoff = min(backoff * 2, 4.0)
+    locker.abandon()
+
+
+def _record_and_release(locker: Locker, held: Held, ledger: occurrence.Ledger | None, claim: dict[str, Any] | None,
+                        outcome: dict[str, Any]) -> bool:
+    """One attempt; True if the lock was released by it (or by an earlier attempt whose answer was lost)."""
+    job = locker.spec.job
+    if not (ledger and claim):
+        if locker.release(held, outcome):
+            return True
+        log.warning("%s: the lock was no longer ours when the job ended; its value keeps the holder", job)
+        return False
+    claim_index = ledger.record_index_after_claim(held)
+    if outcome.get("lost") or not outcome:
+        reason = outcome.get("lost") or "consulrun stopped before the job ended"
+        ops = ledger.failed_ops({**claim, **outcome}, claim_index, "lost", reason)
+    else:
+        ops = ledger.finish_ops(claim, outcome, claim_index)
+    if locker.release(held, outcome, ops):
+        return True
+    snap = ledger.snapshot(consistent=True)
+    record = snap.record or {}
+    if record.get("session") == held.session and record.get("state") != "running" and snap.holder_session != held.session:
+        return True  # an earlier attempt went through; its answer was lost
+    if snap.holder_session == held.session:  # the record moved under us: never expected; free the lock anyway
+        log.warning("%s: the occurrence record changed while this node held the lock; result not recorded", job)
+        return locker.release(held, outcome)
+    # The lock is gone (our session was invalidated): record the result unless the occurrence was taken over.
+    if locker.client.txn(ops) is None:
+        log.warning("%s: occurrence %s was taken over meanwhile; this run's result is not recorded", job,
+                    claim["occurrence"])
+    else:
+        log.warning("%s: the lock was no longer ours when the job ended; the result is recorded (%s)", job,
+                    "lost" if outcome.get("lost") else f"exit status {outcome.get('exit_status')}")
+    return False

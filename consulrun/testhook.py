@@ -1,0 +1,25 @@
+"""Deterministic pause points for tests: `CONSULRUN_TEST_PAUSE=point[,point...]` and `CONSULRUN_TEST_HOOK_DIR`.
+
+At a named point the wrapper creates `<dir>/<point>` (holding its pid) and
+waits until the test creates `<dir>/<point>.go` or a termination signal has
+arrived, so a test can land a signal, a crash or a competing run exactly
+between two steps of the protocol instead of relying on timing. Without the
+variables this is one dictionary lookup.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+
+
+def pause(point: str, interrupted: Callable[[], bool] = lambda: False) -> None:
+    if point not in os.environ.get("CONSULRUN_TEST_PAUSE", "").split(","):
+        return
+    where = os.path.join(os.environ["CONSULRUN_TEST_HOOK_DIR"], point)
+    with open(where + ".tmp", "w", encoding="ascii") as handle:
+        handle.write(str(os.getpid()))
+    os.rename(where + ".tmp", where)
+    while not os.path.exists(where + ".go") and not interrupted():
+        time.sleep(0.02)
