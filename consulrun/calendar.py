@@ -6,7 +6,6 @@ tests compare it with `systemd-analyze calendar`, the reference.
 
 from __future__ import annotations
 
-import os
 from datetime import datetime, timedelta, timezone, tzinfo
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
@@ -32,17 +31,20 @@ def validate(spec: str) -> None:
         raise CalendarError(f"{spec!r} is not a valid calendar expression: {exc}") from None
 
 
+LOCALTIME = "/etc/localtime"
 LOOKBACK_START = timedelta(minutes=2)
 LOOKBACK_MAX = timedelta(days=366 * 500)  # "Mon *-02-29" recurs every 28 years
 
 
 def local_zone() -> tzinfo:
-    """The zone systemd evaluates specs without a zone in: $TZ, else /etc/localtime, else UTC."""
-    name = os.environ.get("TZ", "").lstrip(":")
+    """The zone systemd's timers evaluate specs without a zone in: the system's, /etc/localtime (else UTC).
+
+    Deliberately not $TZ: a job's `environment` reaches the wrapper too, while
+    the timer that fired it ran in PID 1, in the system zone. Every node must
+    compute the occurrence the timer fired for.
+    """
     try:
-        if name:
-            return ZoneInfo(name)
-        with open("/etc/localtime", "rb") as handle:
+        with open(LOCALTIME, "rb") as handle:
             return ZoneInfo.from_file(handle, key="localtime")
     except (OSError, ValueError, ZoneInfoNotFoundError):
         return timezone.utc

@@ -124,14 +124,15 @@ class Job:
         return 128 - self.status if self.status < 0 else self.status
 
     def signal(self, signum: int) -> None:
-        """Send `signum` to the job's group and to every descendant, including those that left the group."""
+        """Send `signum` once to every process of the job: its group, and each descendant that left the group."""
         try:
             os.killpg(self.pgid, signum)
         except (ProcessLookupError, PermissionError):
             pass
         for pid in descendants():
             try:
-                os.kill(pid, signum)
+                if os.getpgid(pid) != self.pgid:
+                    os.kill(pid, signum)
             except (ProcessLookupError, PermissionError):
                 pass
 

@@ -22,16 +22,13 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any, Callable
 
-from consulrun import __version__
+from consulrun import __version__, testhook
 from consulrun.child import boot_id, process_start
 from consulrun.consulapi import Client, SessionInvalid, decoded, kv_op
-from consulrun.durations import LOCK_DELAY_RANGE_MS
 from consulrun.errors import ConsulrunError, UsageError
+from consulrun.fencing import Fencing
 
 log = logging.getLogger("consulrun")
-
-SAFETY_MARGIN_S = 1.0  # slack for scheduling and process teardown beyond the grace period
-
 
 @dataclass(frozen=True)
 class LockSpec:
@@ -51,35 +48,6 @@ class LockSpec:
         if self.concurrency == 1:
             return [f"{self.base}/lock"]
         return [f"{self.base}/slots/{n}" for n in range(self.concurrency)]
-
-
-@dataclass(frozen=True)
-class Fencing:
-    """Timings derived from lock-delay: how long a holder may go unconfirmed before killing its job.
-
-    Counted from the send time of the last read that confirmed the lock:
-    SIGTERM at `fence_after_s`, SIGKILL at `kill_by_s` (= fence_after_s + grace_s),
-    another node no earlier than lock-delay (= kill_by_s + SAFETY_MARGIN_S).
-    """
-
-    grace_s: float
-    fence_after_s: float
-    watch_wait_s: float
-
-    @property
-    def kill_by_s(self) -> float:
-        return self.fence_after_s + self.grace_s
-
-    @classmethod
-    def for_lock_delay(cls, lock_delay_ms: int, ttl_ms: int) -> "Fencing":
-        if lock_delay_ms < LOCK_DELAY_RANGE_MS[0]:
-            raise UsageError(f"lock-delay must be at least {LOCK_DELAY_RANGE_MS[0] // 1000}s: with less, a holder cut off "
-                             "from Consul cannot be sure to stop its job before another node starts")
-        lock_delay_s = lock_delay_ms / 1000
-        grace_s = min(5.0, lock_delay_s / 3)
-        fence_after_s = lock_delay_s - grace_s - SAFETY_MARGIN_S
-        watch_wait_s = max(0.5, min(5.0, fence_after_s / 3, ttl_ms / 3000))
-        return cls(grace_s=grace_s, fence_after_s=fence_after_s, watch_wait_s=watch_wait_s)
 
 
 @dataclass
@@ -136,13 +104,24 @@ def describe_holder(entry: dict[str, Any]) -> str:
     return f"{node} (pid {value.get('pid', '?')}, since {value.get('started', '?')}, session {entry.get('Session')})"
 
 
-def holder_is_dead_here(value: dict[str, Any]) -> bool:
-    """True when the holder value names a wrapper on this machine, this boot, whose process is gone.
+def pid_namespace() -> int | None:
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return None
 
-    The pid alone could be reused; the pid with its start time names one process.
+
+def holder_is_dead_here(value: dict[str, Any]) -> bool:
+    """True when the holder value names a wrapper in this machine's boot and pid namespace whose process is gone.
+
+    Containers share the kernel's boot id, so the pid namespace must match too;
+    the pid alone could be reused, the pid with its start time names one process.
+    The caller also checks the holder's Consul node is ours.
     """
     pid, started = value.get("pid"), value.get("pid_start")
-    if not isinstance(pid, int) or not isinstance(started, int) or value.get("boot_id") != boot_id():
+    if not isinstance(pid, int) or not isinstance(started, int):
+        return False
+    if value.get("boot_id") != boot_id() or value.get("pid_ns") != pid_namespace():
         return False
     return process_start(pid) != started
 
@@ -172,14 +151,18 @@ class Locker:
 
     def _holder_value(self) -> dict[str, Any]:
         value = {"job": self.spec.job, "node": self.node, "host": socket.gethostname(), "pid": os.getpid(),
-                 "pid_start": process_start(os.getpid()), "boot_id": boot_id(), "unit": _systemd_unit(),
+                 "pid_start": process_start(os.getpid()), "boot_id": boot_id(), "pid_ns": pid_namespace(), "unit": _systemd_unit(),
                  "invocation_id": os.environ.get("INVOCATION_ID"), "started": now_iso(), "session": self.session,
                  "consulrun_version": __version__}
         return {k: v for k, v in value.items() if v is not None}
 
-    def _create_session(self) -> str:
+    def node_name(self) -> str:
         if self.node is None:
             self.node = self.client.node_name()
+        return self.node
+
+    def _create_session(self) -> str:
+        self.node_name()
         service_checks: list[str] = []
         if self.spec.checks:
             kinds = self.client.check_kinds()
@@ -224,7 +207,7 @@ class Locker:
         reaped = False
         for entry in entries.values():
             value = decoded(entry)
-            if entry.get("Session") and holder_is_dead_here(value):
+            if entry.get("Session") and holder_is_dead_here(value) and value.get("node") == self.node_name():
                 log.warning("%s: the holder on this node (pid %s, session %s) is gone; destroying its session",
                             self.spec.job, value.get("pid"), entry["Session"])
                 self.client.session_destroy(entry["Session"])
@@ -245,21 +228,22 @@ class Locker:
             try:
                 for key in free:
                     value = self._holder_value()
+                    held = None
                     self.shield(True)
                     try:
                         results = self.client.txn([kv_op("lock", key, value, Session=session),
                                                    *(claim(value) if claim else [])])
-                        if results is None:
-                            continue
-                        sent = clock()
-                        idx, entry = self.client.kv_get(key, consistent=True)
-                    except BaseException:
-                        self.shield(False)
-                        raise
-                    if entry and entry.get("Session") == session:
-                        return Held(key=key, session=session, fencing_token=int(entry["ModifyIndex"]), index=idx,
-                                    value=value, confirmed_at=sent, results=results)
-                    self.shield(False)
+                        if results is not None:
+                            sent = clock()
+                            idx, entry = self.client.kv_get(key, consistent=True)
+                            if entry and entry.get("Session") == session:
+                                held = Held(key=key, session=session, fencing_token=int(entry["ModifyIndex"]),
+                                            index=idx, value=value, confirmed_at=sent, results=results)
+                    finally:
+                        if held is None:  # a signal held back meanwhile is raised now
+                            self.shield(False)
+                    if held:
+                        return held
                 return None
             except SessionInvalid:
                 if attempt == 2:
@@ -297,6 +281,7 @@ class Locker:
             if holders:
                 self.abandon()
             else:  # refused while free: lock-delay after an invalidation, or a lost race
+                testhook.pause("lock-delay-wait")
                 self.sleep(min(retry.next_wait(), max(0.0, deadline - clock())))
                 index = None
 
@@ -309,7 +294,11 @@ class Locker:
         """
         # The run's own end time wins, so the lock's value and the occurrence record agree.
         value = {"state": "free", "last": {**held.value, "ended": now_iso(), **outcome}}
-        return self.client.txn([kv_op("unlock", held.key, value, Session=held.session), *(extra_ops or [])]) is not None
+        try:
+            return self.client.txn([kv_op("unlock", held.key, value, Session=held.session),
+                                    *(extra_ops or [])]) is not None
+        except SessionInvalid:  # our session was invalidated: the lock is not ours to release
+            return False
 
     def abandon(self) -> None:
         """Destroy our session if we made one; a failure here is logged, the TTL ends it anyway."""

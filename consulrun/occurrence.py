@@ -233,4 +233,5 @@ def acquire(locker: Locker, ledger: Ledger, occ: Occurrence, policy: str,
             locker.client.kv_get(ledger.lock_key, index=int((snap.lock or {}).get("ModifyIndex", 0)),
                                  wait_s=min(remaining, 300))
         else:  # lock-delay after an invalidation, or a lost race: look again when it should be over
+            testhook.pause("lock-delay-wait")
             locker.sleep(min(retry.next_wait(), remaining))

@@ -146,7 +146,7 @@ def _supervise(job: Job, watcher: Watcher, fencing: Fencing, signals: _Signals, 
 
 def _job_environment(held: Held, spec: LockSpec, claim: dict[str, object] | None) -> dict[str, str]:
     env = dict(os.environ)
-    for name in ("CONSULRUN_TEST_PAUSE", "CONSULRUN_TEST_HOOK_DIR"):
+    for name in ("CONSULRUN_TEST_PAUSE", "CONSULRUN_TEST_HOOK_DIR", "CONSULRUN_TEST_FAIL"):
         env.pop(name, None)
     env.update({"CONSULRUN_JOB": spec.job, "CONSULRUN_SESSION": held.session, "CONSULRUN_LOCK_KEY": held.key,
                 "CONSULRUN_FENCING_TOKEN": str(held.fencing_token)})
@@ -249,6 +249,7 @@ def _run_held(request: RunRequest, locker: Locker, held: Held, fencing: Fencing,
         signals.job = job
         signals.forward_pending()
         testhook.pause("started")
+        testhook.fail("started")
         status, lost = _supervise(job, watcher, fencing, signals, spec.job)
         if not lost and job.alive():
             log.warning("%s: the job exited but left processes behind; stopping them", spec.job)

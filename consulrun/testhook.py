@@ -1,4 +1,5 @@
-"""Deterministic pause points for tests: `CONSULRUN_TEST_PAUSE=point[,point...]` and `CONSULRUN_TEST_HOOK_DIR`.
+"""Deterministic hooks for tests: pause points (`CONSULRUN_TEST_PAUSE=point[,point...]`,
+`CONSULRUN_TEST_HOOK_DIR`) and injected failures (`CONSULRUN_TEST_FAIL=point`).
 
 At a named point the wrapper creates `<dir>/<point>` (holding its pid) and
 waits until the test creates `<dir>/<point>.go` or a termination signal has
@@ -12,6 +13,12 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable
+
+
+def fail(point: str) -> None:
+    """`CONSULRUN_TEST_FAIL=point`: raise here, as an unexpected failure (a bug, a resource limit) would."""
+    if point in os.environ.get("CONSULRUN_TEST_FAIL", "").split(","):
+        raise RuntimeError(f"failure injected at {point}")
 
 
 def pause(point: str, interrupted: Callable[[], bool] = lambda: False) -> None:

@@ -1,0 +1,407 @@
+"""Every guarantee at every instant: faults landed between two steps of the protocol, against a real Consul.
+
+Where a fault must land at a precise point, the wrapper is paused there by a
+test hook (consulrun/testhook.py) and the test acts while it waits: no timing luck.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import pytest
+
+from consulrun import calendar
+from consulrun.fencing import Fencing, stop_timeout_ms
+from tests.harness.agents import Agent, wait_for
+from tests.test_run import SKIP, consulrun, finish, lock_entry, pid_alive
+
+pytestmark = pytest.mark.consul
+
+YEARLY = "*-01-01 00:00:00 UTC"
+OCC = f"{datetime.now(timezone.utc).year}-01-01T00:00:00Z"
+
+
+def hooks(tmp_path: Path, *points: str) -> dict[str, str]:
+    (tmp_path / "hooks").mkdir(exist_ok=True)
+    return {"CONSULRUN_TEST_PAUSE": ",".join(points), "CONSULRUN_TEST_HOOK_DIR": str(tmp_path / "hooks")}
+
+
+def at(tmp_path: Path, point: str, timeout: float = 30) -> None:
+    wait_for((tmp_path / "hooks" / point).exists, timeout, f"the wrapper to reach {point}")
+
+
+def go(tmp_path: Path, point: str) -> None:
+    (tmp_path / "hooks" / f"{point}.go").touch()
+
+
+def kv_json(agent: Agent, key: str) -> dict | None:
+    entry = lock_entry(agent, key)
+    return json.loads(base64.b64decode(entry["Value"])) if entry and entry.get("Value") else None
+
+
+def sessions(agent: Agent) -> list[dict]:
+    return agent.get("session/list")
+
+
+def raft_applied(agent: Agent) -> int:
+    return int(agent.get("agent/self")["Stats"]["raft"]["applied_index"])
+
+
+def read_pids(path: Path, count: int) -> list[int]:
+    wait_for(lambda: path.exists() and len(path.read_text().split()) >= count, 20, f"{count} pid(s) in {path}")
+    return [int(p) for p in path.read_text().split()]
+
+
+# A job that ignores SIGTERM and leaves a daemonised (setsid) grandchild that ignores it too.
+def stubborn_job(pids: Path) -> list[str]:
+    return ["sh", "-c", f"trap '' TERM; setsid sh -c 'trap \"\" TERM; echo $$ >> {pids}; while :; do sleep 0.1; done' & "
+                        f"echo $$ >> {pids}; while :; do sleep 0.1; done"]
+
+
+# --- 1. No lock released while the job still runs -----------------------------------------------------------
+
+def test_failure_after_fork_kills_every_job_process_before_release(consul: Agent, tmp_path: Path) -> None:
+    pids = tmp_path / "pids"
+    env = {**hooks(tmp_path, "started", "releasing"), "CONSULRUN_TEST_FAIL": "started"}
+    proc = consulrun("run", "--schedule", YEARLY, "boom", "--", *stubborn_job(pids), env=env)
+    at(tmp_path, "started")
+    job_pids = read_pids(pids, 2)
+    go(tmp_path, "started")
+    at(tmp_path, "releasing")
+    assert not any(pid_alive(p) for p in job_pids), "a job process lives while the lock is about to be released"
+    assert lock_entry(consul, "consulrun/boom/lock").get("Session"), "released before the job was dead"
+    go(tmp_path, "releasing")
+    code, out, err = finish(proc)
+    assert code == 70, err
+    assert "Traceback" not in err
+    assert "consulrun failed after taking the lock (RuntimeError: failure injected at started)" in err
+    record = kv_json(consul, "consulrun/boom/occurrence")
+    assert record["state"] == "lost" and "failure injected" in record["reason"]
+    assert sessions(consul) == []
+
+
+SECCOMP_LAUNCHER = """
+import os, sys, seccomp
+f = seccomp.SyscallFilter(defaction=seccomp.ALLOW)
+f.add_rule(seccomp.ERRNO(38), "pidfd_open")  # ENOSYS, as on Linux < 5.3
+f.load()
+os.execv(sys.argv[1], sys.argv[1:])
+"""
+
+
+def test_runs_fences_and_releases_without_pidfd_open(consul: Agent, tmp_path: Path) -> None:
+    """pidfd_open denied by seccomp (ENOSYS, as on RHEL 8's 4.18): the wrapper runs, fences, releases."""
+    system_python = "/usr/bin/python3"
+    probe = subprocess.run([system_python, "-c", SECCOMP_LAUNCHER + "", system_python, "-c",
+                            "import os; os.pidfd_open(os.getpid())"], capture_output=True, text=True)
+    assert "Function not implemented" in probe.stderr, probe.stderr  # the filter really denies it
+    launcher = tmp_path / "launch.py"
+    launcher.write_text(SECCOMP_LAUNCHER)
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+
+    def run(*args: str) -> subprocess.Popen[str]:
+        return subprocess.Popen([system_python, str(launcher), sys.executable, "-m", "consulrun", *args], env=env,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    code, _, err = finish(run("run", "nopidfd", "--", "sh", "-c", "exit 3"))
+    assert code == 3, err
+    pids = tmp_path / "pids"
+    holder = run("run", "nopidfd", "--", *stubborn_job(pids))
+    job_pids = read_pids(pids, 2)
+    consul.api("PUT", f"session/destroy/{lock_entry(consul, 'consulrun/nopidfd/lock')['Session']}")
+    code, _, err = finish(holder)
+    assert code == 75, err
+    assert not any(pid_alive(p) for p in job_pids)
+    assert sessions(consul) == []
+
+
+# --- 2. Waiting never lets its own session die --------------------------------------------------------------
+
+@pytest.mark.parametrize("lock_delay", ["30s", "60s"])
+def test_wait_outlasts_ttl_through_lock_delay_and_acquires(consul: Agent, tmp_path: Path, lock_delay: str) -> None:
+    """ttl 10s, lock-delay 30s/60s: Consul would destroy an unrenewed waiting session before lock-delay ends."""
+    started = tmp_path / "started"
+    common = ["--ttl", "10s", "--lock-delay", lock_delay]
+    holder = consulrun("run", *common, "longdelay", "--", "sh", "-c", f"touch {started}; sleep 300")
+    wait_for(started.exists, 20, "the holder's job")
+    consul.api("PUT", f"session/destroy/{lock_entry(consul, 'consulrun/longdelay/lock')['Session']}")
+    assert finish(holder)[0] == 75
+    before = raft_applied(consul)
+    ran = tmp_path / "ran"
+    code, _, err = finish(consulrun("run", *common, "--wait", "2m", "longdelay", "--", "touch", str(ran)),
+                          timeout=150)
+    assert code == 0, err
+    assert ran.exists()
+    # session create, lock, release, destroy, plus a bounded number of refused attempts (not 2 per second).
+    assert raft_applied(consul) - before <= 8, raft_applied(consul) - before
+    assert sessions(consul) == []
+
+
+def test_retry_standby_takes_over_through_a_long_lock_delay(consul: Agent, tmp_path: Path) -> None:
+    started, second = tmp_path / "started", tmp_path / "second"
+    common = ["run", "--ttl", "10s", "--lock-delay", "30s", "--schedule", YEARLY, "--on-holder-loss", "retry",
+              "--wait", "2m", "slowtake"]
+    runner = consulrun(*common, "--", "sh", "-c", f"touch {started}; sleep 300")
+    wait_for(started.exists, 20, "the first attempt")
+    consul.api("PUT", f"session/destroy/{lock_entry(consul, 'consulrun/slowtake/lock')['Session']}")
+    assert finish(runner)[0] == 75
+    code, _, err = finish(consulrun(*common, "--", "sh", "-c", f"echo $CONSULRUN_OCCURRENCE > {second}"), timeout=150)
+    assert code == 0, err
+    assert second.read_text().strip() == OCC
+    record = kv_json(consul, "consulrun/slowtake/occurrence")
+    assert record["state"] == "done" and record["attempt"] == 2 and record["takeover"] is True
+    assert [a["state"] for a in record["earlier"]] == ["lost"]
+
+
+def test_invalid_session_while_waiting_is_replaced_not_read_as_a_lost_race(consul: Agent, tmp_path: Path) -> None:
+    started = tmp_path / "started"
+    holder = consulrun("run", "--lock-delay", "10s", "inval", "--", "sh", "-c", f"touch {started}; sleep 300")
+    wait_for(started.exists, 20, "the holder's job")
+    held_by = lock_entry(consul, "consulrun/inval/lock")["Session"]
+    consul.api("PUT", f"session/destroy/{held_by}")
+    assert finish(holder)[0] == 75
+    waiter = consulrun("run", "--lock-delay", "10s", "--wait", "1m", "inval", "--", "true",
+                       env=hooks(tmp_path, "lock-delay-wait"))
+    at(tmp_path, "lock-delay-wait")
+    for session in sessions(consul):  # the waiter's session dies under it (as an expired TTL would)
+        consul.api("PUT", f"session/destroy/{session['ID']}")
+    go(tmp_path, "lock-delay-wait")
+    code, _, err = finish(waiter, timeout=90)
+    assert code == 0, err
+    assert "a new one" in err and "lost the race" not in err
+    assert sessions(consul) == []
+
+
+# --- 3. A late wake-up fences hard ----------------------------------------------------------------------------
+
+def test_pinned_fencing_arithmetic() -> None:
+    fencing = Fencing.for_lock_delay(15_000, 15_000)
+    assert (fencing.grace_s, fencing.fence_after_s, fencing.kill_by_s) == (5.0, 9.0, 14.0)
+    assert stop_timeout_ms(15_000) == 14_000
+    short = Fencing.for_lock_delay(5_000, 10_000)
+    assert short.kill_by_s == 4.0 and round(short.grace_s, 3) == 1.667
+
+
+def test_wrapper_stopped_past_its_deadline_sigkills_at_once(consul: Agent, tmp_path: Path) -> None:
+    pids = tmp_path / "pids"
+    holder = consulrun("run", "--ttl", "10s", "--lock-delay", "5s", "frozen", "--", *stubborn_job(pids))
+    job_pids = read_pids(pids, 2)
+    os.kill(holder.pid, signal.SIGSTOP)  # the wrapper only: its job keeps running, as in a starved wrapper
+    try:
+        consul.api("PUT", f"session/destroy/{lock_entry(consul, 'consulrun/frozen/lock')['Session']}")
+        time.sleep(6)  # past lock-delay: from here on no lock can stop the overlap, only the wrapper waking
+        assert all(pid_alive(p) for p in job_pids)
+    finally:
+        os.kill(holder.pid, signal.SIGCONT)
+    # No SIGTERM grace is left: the SIGTERM-ignoring job must be gone almost at once, not after a fresh grace.
+    wait_for(lambda: not any(pid_alive(p) for p in job_pids), 1.5, "the job to be SIGKILLed on waking")
+    code, _, err = finish(holder)
+    assert code == 75, err
+    assert "SIGKILL at once" in err
+
+
+# --- 4. Every process of the job dies, not only its process group ---------------------------------------------
+
+def test_fence_kills_a_daemonised_grandchild(consul: Agent, tmp_path: Path) -> None:
+    pids = tmp_path / "pids"
+    holder = consulrun("run", "--lock-delay", "5s", "daemon", "--", *stubborn_job(pids))
+    job_pids = read_pids(pids, 2)
+    consul.api("PUT", f"session/destroy/{lock_entry(consul, 'consulrun/daemon/lock')['Session']}")
+    code, _, err = finish(holder)
+    assert code == 75, err
+    assert not any(pid_alive(p) for p in job_pids)
+
+
+def test_normal_exit_stops_a_daemonised_leftover(consul: Agent, tmp_path: Path) -> None:
+    pids = tmp_path / "pids"
+    code, _, err = finish(consulrun("run", "leftover", "--", "sh", "-c",
+                                    f"setsid sh -c 'echo $$ > {pids}; exec sleep 300' & sleep 0.5; exit 0"))
+    assert code == 0, err
+    assert "left processes behind" in err
+    assert not pid_alive(read_pids(pids, 1)[0])
+
+
+def test_termination_signal_reaches_a_grandchild_outside_the_shell(consul: Agent, tmp_path: Path) -> None:
+    """The job's leader ignores SIGTERM; only forwarding to every process lets the grandchild hear it."""
+    got = tmp_path / "got"
+    grandchild = (f"import signal, time, sys\n"
+                  f"signal.signal(signal.SIGTERM, lambda *a: (open({str(got)!r}, 'w').write('TERM'), sys.exit(0)))\n"
+                  f"open({str(got)!r} + '.ready', 'w')\n"
+                  f"while True: time.sleep(0.1)\n")
+    leader = (f"import signal, subprocess, sys\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+              f"sys.exit(subprocess.call([sys.executable, '-c', {grandchild!r}]))\n")
+    holder = consulrun("run", "fwd", "--", sys.executable, "-c", leader)
+    wait_for(Path(f"{got}.ready").exists, 20, "the grandchild")
+    holder.send_signal(signal.SIGTERM)
+    wait_for(got.exists, 5, "the grandchild to receive the forwarded SIGTERM")
+    code, _, err = finish(holder)
+    assert code == 0, err
+
+
+# --- 5. A lost run is recorded as lost --------------------------------------------------------------------------
+
+@pytest.mark.parametrize("policy", ["retry", "skip"])
+def test_fenced_run_is_recorded_lost_and_rerun_only_under_retry(consul: Agent, tmp_path: Path, policy: str) -> None:
+    started, again = tmp_path / "started", tmp_path / "again"
+    common = ["run", "--lock-delay", "5s", "--schedule", YEARLY, "--on-holder-loss", policy,
+              "--skip-exit-code", str(SKIP), "--wait", "30s", "lostjob"]
+    runner = consulrun(*common, "--", "sh", "-c", f"touch {started}; sleep 300")
+    wait_for(started.exists, 20, "the first attempt")
+    consul.api("PUT", f"session/destroy/{lock_entry(consul, 'consulrun/lostjob/lock')['Session']}")
+    assert finish(runner)[0] == 75
+    record = kv_json(consul, "consulrun/lostjob/occurrence")
+    assert record["state"] == "lost" and record["reason"]
+    assert kv_json(consul, f"consulrun/lostjob/history/{OCC}")["state"] == "lost"
+    code, _, err = finish(consulrun(*common, "--", "touch", str(again)), timeout=60)
+    if policy == "retry":
+        assert code == 0, err
+        assert again.exists()
+        final = kv_json(consul, f"consulrun/lostjob/history/{OCC}")
+        assert final["state"] == "done" and final["attempt"] == 2
+        assert final["earlier"][0]["state"] == "lost" and final["earlier"][0]["node"] == "dev1"
+    else:
+        assert code == SKIP, err
+        assert not again.exists()
+        assert "ended lost; it is not run again" in err
+    assert sessions(consul) == []
+
+
+# --- 6. No leaked sessions ---------------------------------------------------------------------------------------
+
+def test_every_skip_path_destroys_its_session(consul: Agent, tmp_path: Path) -> None:
+    common = ["run", "--schedule", YEARLY, "--skip-exit-code", str(SKIP), "leak"]
+    assert finish(consulrun(*common, "--", "true"))[0] == 0
+    # done: the record already shows this occurrence done
+    code, _, err = finish(consulrun(*common, "--", "true"))
+    assert code == SKIP and "already ran" in err
+    assert sessions(consul) == []
+    # claimed by another node between our read and our claim (a lost race, with --wait > 0)
+    runner_started = tmp_path / "started"
+    consul.api("DELETE", "kv/consulrun/leak/", params={"recurse": "true"})
+    late = consulrun(*common[:-1], "--wait", "5s", "leak", "--", "true", env=hooks(tmp_path, "before-claim"))
+    at(tmp_path, "before-claim")
+    runner = consulrun(*common, "--", "sh", "-c", f"touch {runner_started}; sleep 300")
+    wait_for(runner_started.exists, 20, "the race winner's job")
+    go(tmp_path, "before-claim")
+    code, _, err = finish(late, timeout=60)
+    assert code == SKIP, err
+    assert "lost the race" in err
+    assert [s["ID"] for s in sessions(consul)] == [lock_entry(consul, "consulrun/leak/lock")["Session"]]
+    runner.send_signal(signal.SIGTERM)
+    finish(runner)
+    assert sessions(consul) == []
+
+
+def test_claim_refused_when_the_record_moved_since_it_was_read(consul: Agent, tmp_path: Path) -> None:
+    """Read the old record, let another node claim, run and release, then claim: the check-and-set refuses."""
+    runs = tmp_path / "runs"
+    common = ["run", "--schedule", YEARLY, "--skip-exit-code", str(SKIP), "stale"]
+    late = consulrun(*common, "--", "sh", "-c", f"echo late >> {runs}", env=hooks(tmp_path, "before-claim"))
+    at(tmp_path, "before-claim")
+    code, _, err = finish(consulrun(*common, "--", "sh", "-c", f"echo first >> {runs}"))
+    assert code == 0, err
+    assert "Session" not in lock_entry(consul, "consulrun/stale/lock")  # released: only the claim can refuse
+    go(tmp_path, "before-claim")
+    code, _, err = finish(late)
+    assert code == SKIP, err
+    assert runs.read_text().split() == ["first"]
+    assert sessions(consul) == []
+
+
+# --- 7. Signals at every instant ------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("point", ["acquired", "releasing"])
+def test_sigterm_at_each_step_gives_143_and_leaves_nothing_running(consul: Agent, tmp_path: Path, point: str) -> None:
+    ran = tmp_path / "ran"
+    proc = consulrun("run", "--schedule", YEARLY, "sigjob", "--", "touch", str(ran), env=hooks(tmp_path, point))
+    at(tmp_path, point)
+    proc.send_signal(signal.SIGTERM)
+    if point == "releasing":
+        go(tmp_path, point)
+    code, _, err = finish(proc)
+    assert code == 128 + signal.SIGTERM, err
+    assert "Traceback" not in err
+    assert sessions(consul) == []
+    record = kv_json(consul, "consulrun/sigjob/occurrence")
+    if point == "acquired":
+        assert not ran.exists()
+        assert record["state"] == "lost" and "SIGTERM before the job started" in record["reason"]
+    else:
+        assert ran.exists()
+        assert record["state"] == "done" and record["exit_status"] == 0
+    assert "Session" not in lock_entry(consul, "consulrun/sigjob/lock")
+
+
+def test_sigterm_while_holding_a_session_in_lock_delay_leaves_no_session(consul: Agent, tmp_path: Path) -> None:
+    started = tmp_path / "started"
+    holder = consulrun("run", "--lock-delay", "10s", "sigwait", "--", "sh", "-c", f"touch {started}; sleep 300")
+    wait_for(started.exists, 20, "the holder's job")
+    consul.api("PUT", f"session/destroy/{lock_entry(consul, 'consulrun/sigwait/lock')['Session']}")
+    assert finish(holder)[0] == 75
+    waiter = consulrun("run", "--lock-delay", "10s", "--wait", "1m", "sigwait", "--", "true",
+                       env=hooks(tmp_path, "lock-delay-wait"))
+    at(tmp_path, "lock-delay-wait")
+    assert len(sessions(consul)) == 1  # the waiter holds a session while lock-delay refuses it
+    waiter.send_signal(signal.SIGTERM)
+    code, _, err = finish(waiter, timeout=10)
+    assert code == 128 + signal.SIGTERM, err
+    assert sessions(consul) == []
+
+
+# --- 9. The occurrence is the timer's, whatever the job's environment ----------------------------------------------
+
+def test_occurrence_ignores_the_jobs_tz(consul: Agent, tmp_path: Path) -> None:
+    seen = tmp_path / "occ"
+    code, _, err = finish(consulrun("run", "--schedule", "*-*-* 00:00:00", "tzjob", "--", "sh", "-c",
+                                    f"echo $CONSULRUN_OCCURRENCE > {seen}", env={"TZ": "Pacific/Kiritimati"}))
+    assert code == 0, err
+    expected = calendar.occurrence_id(calendar.previous(["*-*-* 00:00:00"], datetime.now(timezone.utc)))
+    assert seen.read_text().strip() == expected
+
+
+# --- 11. A dead holder does not block the job for 2 x TTL -------------------------------------------------------------
+
+def test_sigkilled_wrappers_occurrence_is_taken_over_within_lock_delay(consul: Agent, tmp_path: Path) -> None:
+    started, second = tmp_path / "started", tmp_path / "second"
+    common = ["run", "--ttl", "60s", "--lock-delay", "5s", "--schedule", YEARLY, "--on-holder-loss", "retry",
+              "--wait", "30s", "oom"]
+    runner = consulrun(*common, "--", "sh", "-c", f"touch {started}; sleep 300")
+    wait_for(started.exists, 20, "the first attempt")
+    runner.kill()  # as the OOM killer does: no cleanup at all
+    runner.wait()
+    standby = consulrun(*common, "--", "sh", "-c", f"echo $CONSULRUN_OCCURRENCE > {second}")
+    # TTL 60s would keep the dead session up to 120 s; noticing the dead pid frees it at once (+ lock-delay).
+    wait_for(second.exists, 15, "the standby to take the occurrence over")
+    code, _, err = finish(standby)
+    assert code == 0, err
+    assert "is gone; destroying its session" in err
+    record = kv_json(consul, "consulrun/oom/occurrence")
+    assert record["attempt"] == 2 and record["earlier"][0]["state"] == "abandoned"
+    assert sessions(consul) == []
+
+
+def test_renewal_keeps_a_long_job_running(consul: Agent) -> None:
+    """35 s at --ttl 10s: without renewal every TTL/3 Consul would destroy the session and the job be fenced."""
+    code, _, err = finish(consulrun("run", "--ttl", "10s", "longrun", "--", "sleep", "35"), timeout=90)
+    assert code == 0, err
+    assert "lock lost" not in err
+
+
+def test_fencing_token_is_the_lock_keys_modify_index(consul: Agent, tmp_path: Path) -> None:
+    seen = tmp_path / "seen"
+    script = (f"import json, os, urllib.request\n"
+              f"entry = json.load(urllib.request.urlopen('http://{consul.http_addr}/v1/kv/consulrun/token/lock'))[0]\n"
+              f"open({str(seen)!r}, 'w').write(json.dumps([entry['ModifyIndex'], os.environ['CONSULRUN_FENCING_TOKEN'],"
+              f" entry.get('Session'), os.environ['CONSULRUN_SESSION']]))\n")
+    code, _, err = finish(consulrun("run", "token", "--", sys.executable, "-c", script))
+    assert code == 0, err
+    index, token, holder, session = json.loads(seen.read_text())
+    assert str(index) == token and holder == session
