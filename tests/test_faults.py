@@ -405,3 +405,89 @@ def test_fencing_token_is_the_lock_keys_modify_index(consul: Agent, tmp_path: Pa
     assert code == 0, err
     index, token, holder, session = json.loads(seen.read_text())
     assert str(index) == token and holder == session
+
+
+# --- 4, under systemd: the wrapper itself SIGKILLed -------------------------------------------------------------------
+
+@pytest.mark.systemd
+def test_sigkilled_wrapper_in_a_unit_leaves_no_job_process(systemd_container, consul_bin: str, tmp_path: Path) -> None:
+    """The OOM killer takes the wrapper: systemd must SIGKILL the rest of the cgroup before TTL + lock-delay.
+
+    The job ignores SIGTERM and leaves a setsid grandchild; without a TimeoutStopSec= derived from the lock
+    settings systemd would wait its default 90 s before SIGKILL.
+    """
+    from tests.test_install import CONSULRUN, manifest, start_agent
+
+    ctr = systemd_container
+    agent = start_agent(ctr, consul_bin, "unitnode", ["-dev", "-client", "127.0.0.1", "-bind", "127.0.0.1"],
+                        tmp_path / "consul.log")
+    try:
+        pids = ctr.shared / "oom-pids"
+        job = {"command": stubborn_job(Path("/shared/oom-pids")), "schedule": YEARLY,
+               "lock": {"ttl": "10s", "lock_delay": "5s"}}
+        (ctr.shared / "oom.yaml").write_text(manifest({"oomjob": job}))
+        ctr.exec(CONSULRUN, "install", "/shared/oom.yaml", "--no-start")
+        ctr.systemctl("start", "--no-block", "consulrun-oomjob.service")
+        job_pids = read_pids(pids, 2)
+        main = ctr.systemctl("show", "-p", "MainPID", "--value", "consulrun-oomjob.service").stdout.strip()
+        assert main not in ("", "0")
+
+        def alive(pid: int) -> bool:
+            stat = ctr.exec("cat", f"/proc/{pid}/stat", check=False).stdout
+            return bool(stat) and stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+        assert all(alive(p) for p in job_pids)
+        ctr.exec("kill", "-9", main)
+        wait_for(lambda: not any(alive(p) for p in job_pids), 10 + 5, "every job process to be gone (TTL + lock-delay)")
+    finally:
+        ctr.systemctl("stop", "consulrun-oomjob.service", check=False)
+        agent.terminate()
+        agent.wait(timeout=20)
+
+
+# --- 5 and 12, in a cluster: leader elections are not outages ---------------------------------------------------------
+
+def _leaderless(agent: Agent) -> bool:
+    try:
+        return agent.get("status/leader") in ("", None)
+    except Exception:  # noqa: BLE001 - "no leader" may also be an error answer
+        return True
+
+
+@pytest.mark.cluster
+def test_leader_killed_at_the_moment_of_finish_the_result_is_still_recorded(cluster, tmp_path: Path) -> None:
+    node2 = cluster.clients[0]
+    env = {"CONSUL_HTTP_ADDR": "127.0.0.1:8500", **hooks(tmp_path, "releasing")}
+    proc = consulrun("run", "--schedule", YEARLY, "--on-holder-loss", "retry", "fin", "--", "true", env=env,
+                     netns=node2.netns)
+    at(tmp_path, "releasing", 60)
+    cluster.server.kill()
+    wait_for(lambda: _leaderless(node2), 30, "node2 to see no leader")
+    go(tmp_path, "releasing")
+    cluster.server.restart()
+    code, _, err = finish(proc, timeout=90)
+    assert code == 0, err
+    assert "retrying for up to" in err
+    record = kv_json(cluster.server, "consulrun/fin/occurrence")
+    assert record["state"] == "done" and record["exit_status"] == 0 and record["attempt"] == 1
+    assert "Session" not in lock_entry(cluster.server, "consulrun/fin/lock")
+
+
+@pytest.mark.cluster
+def test_no_leader_at_start_is_retried_then_runs(cluster, tmp_path: Path) -> None:
+    node2 = cluster.clients[0]
+    cluster.server.kill()
+    wait_for(lambda: _leaderless(node2), 30, "node2 to see no leader")
+    log = tmp_path / "stderr"
+    ran = tmp_path / "ran"
+    cmd = ["ip", "netns", "exec", node2.netns, sys.executable, "-m", "consulrun", "run", "--schedule", YEARLY,
+           "noleader", "--", "touch", str(ran)]
+    env = {**os.environ, "CONSUL_HTTP_ADDR": "127.0.0.1:8500", "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    with log.open("w") as err_file:
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=err_file)
+    wait_for(lambda: "retrying for up to" in log.read_text(), 30, "the run to say it retries")
+    assert proc.poll() is None
+    cluster.server.restart()
+    assert proc.wait(timeout=60) == 0, log.read_text()
+    assert ran.exists()
+    assert "No cluster leader" in log.read_text() or "rpc error" in log.read_text()

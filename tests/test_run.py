@@ -197,12 +197,14 @@ def test_holder_cut_off_job_dies_before_anyone_else_acquires(cluster: Cluster, t
     beat = tmp_path / "beat"
     node2, node3 = cluster.clients
     env = {"CONSUL_HTTP_ADDR": "127.0.0.1:8500"}
+    # The job ignores SIGTERM, so only the SIGKILL at the end of the grace period stops it.
     # Heartbeats are renamed into place: a kill between truncating and writing must not leave an empty file.
     holder = consulrun("run", "failover", "--", "sh", "-c",
-                       f"while true; do date +%s.%N > {beat}.new; mv {beat}.new {beat}; sleep 0.05; done",
+                       f"trap '' TERM; while true; do date +%s.%N > {beat}.new; mv {beat}.new {beat}; sleep 0.05; done",
                        env=env, netns=node2.netns)
     wait_for(beat.exists, 20, "the job on node2")
     took_over = tmp_path / "took-over"
+    cut_at = time.time()  # the last confirmation was sent before this
     if failure == "agent killed":
         node2.kill()
     else:
@@ -216,5 +218,7 @@ def test_holder_cut_off_job_dies_before_anyone_else_acquires(cluster: Cluster, t
     assert code3 == 0, err3
     last_beat, started_elsewhere = float(beat.read_text()), float(took_over.read_text())
     assert last_beat < started_elsewhere, (last_beat, started_elsewhere)
+    # Default lock-delay 15s: SIGKILL no later than the last confirmation + 14 s (grace 5 s, margin 1 s).
+    assert last_beat <= cut_at + 14.2, last_beat - cut_at
     value = json.loads(base64.b64decode(lock_entry(node3, "consulrun/failover/lock")["Value"]))
     assert value["last"]["node"] == "node3"

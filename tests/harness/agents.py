@@ -91,6 +91,12 @@ class Agent:
             except subprocess.TimeoutExpired:
                 self.kill()
 
+    def restart(self) -> None:
+        """Start the agent again after `kill`/`stop`, with the same configuration and data (a node coming back)."""
+        if self.alive():
+            raise RuntimeError(f"{self.name} is still running")
+        self.process = _start(self.extra["cmd"], self.log_path, self.netns)
+
     def wait_leader(self, timeout: float = 30) -> str:
         return wait_for(lambda: self.get("status/leader"), timeout, f"a Raft leader via {self.name}")
 
@@ -104,7 +110,7 @@ class Agent:
 def _start(cmd: list[str], log_path: Path, netns: str | None) -> subprocess.Popen[bytes]:
     if netns:
         cmd = ["ip", "netns", "exec", netns, *cmd]
-    log = log_path.open("wb")
+    log = log_path.open("ab")  # a restarted agent appends to its log
     try:
         return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
     finally:
@@ -180,9 +186,10 @@ def start_cluster(binary: str, workdir: Path, network: Any, clients: int = 2) ->
             config_file.write_text(json.dumps(config))
             log_path = workdir / f"{name}.log"
             ns = network.namespace(index)
-            process = _start([binary, "agent", "-config-file", str(config_file)], log_path, ns)
+            cmd = [binary, "agent", "-config-file", str(config_file)]
+            process = _start(cmd, log_path, ns)
             agents.append(Agent(name=name, http_addr=f"{ip}:8500", log_path=log_path, process=process, netns=ns,
-                                extra={"ip": ip}))
+                                extra={"ip": ip, "cmd": cmd}))
         cluster = Cluster(server=agents[0], clients=agents[1:], network=network)
         cluster.server.wait_leader()
         wait_for(lambda: sum(m["Status"] == 1 for m in cluster.server.get("agent/members")) == len(agents),
