@@ -11,6 +11,7 @@ import os
 import shutil
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
@@ -19,6 +20,9 @@ from consulrun.errors import ConsulrunError, ExitCode, UsageError
 from consulrun.durations import LOCK_DELAY_RANGE_MS, TTL_RANGE_MS
 from consulrun.options import Duration, consul_config, consul_options
 from consulrun.schema import name_problem
+
+if TYPE_CHECKING:
+    from consulrun.manifest import Manifest
 
 EXIT_CODES_HELP = """
 \b
@@ -245,7 +249,7 @@ def _install_remote(hosts: list[str], text: str, remote_argv: list[str], ssh_opt
         raise ConsulrunError(f"install failed on {len(failed)} of {len(results)} node(s): {', '.join(failed)}")
 
 
-def _manifest_and_jobs(targets: tuple[str, ...]) -> tuple["Manifest | None", tuple[str, ...]]:  # noqa: F821
+def _manifest_and_jobs(targets: tuple[str, ...]) -> tuple[Manifest | None, tuple[str, ...]]:
     """Split `[MANIFEST] [JOB]...`: the first argument is a manifest if it has a '/' or ends in .yaml/.yml/.json."""
     from consulrun.manifest import load_manifest
 
@@ -298,12 +302,13 @@ def status(targets: tuple[str, ...], prefix: str | None, as_json: bool, watch: b
     from consulrun import status as state
     from consulrun.consulapi import Client
 
-    loaded, jobs = _manifest_and_jobs(targets)
-    kv_prefix = prefix or (loaded.kv_prefix if loaded else "consulrun")
-    if watch:
-        _watch_status(lambda: Client(consul_config(dict(consul), loaded.consul if loaded else None)), kv_prefix,
-                      loaded, jobs, as_json, grace / 1000)
+    kv_prefix = prefix or "consulrun"
     try:
+        loaded, jobs = _manifest_and_jobs(targets)
+        kv_prefix = prefix or (loaded.kv_prefix if loaded else "consulrun")
+        if watch:
+            _watch_status(lambda: Client(consul_config(dict(consul), loaded.consul if loaded else None)), kv_prefix,
+                          loaded, jobs, as_json, grace / 1000)
         client = Client(consul_config(consul, loaded.consul if loaded else None))
         _, statuses = state.collect(client, kv_prefix, loaded, only=jobs, grace_s=grace / 1000)
     except ConsulrunError as exc:
@@ -370,6 +375,8 @@ def _watch_status(make_client, kv_prefix: str, loaded, jobs: tuple[str, ...], as
                 index = exc.index or None
                 sys.stdout.flush()
                 continue
+            except UsageError:
+                raise  # e.g. an unreadable token file: waiting will not fix it
             except ConsulrunError as exc:  # agent restarting, connection dropped, leader election, ACL change
                 if as_json:
                     click.echo(_json({**state.error_json(kv_prefix, exc, datetime.now(timezone.utc)),

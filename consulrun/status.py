@@ -307,7 +307,8 @@ def as_json(prefix: str, statuses: list[JobStatus], health: Health, now: datetim
          "problems": s.problems, "holders": s.holders, "last": s.last, "next": s.next} for s in statuses]}
 
 
-ERROR_VERDICTS = {69: "consul_unavailable", 70: "unexpected_answer", 77: "permission_denied", 6: "no_state"}
+ERROR_VERDICTS = {2: "usage_error", 6: "no_state", 69: "consul_unavailable", 70: "unexpected_answer",
+                  77: "permission_denied"}
 
 
 def error_json(prefix: str, exc: ConsulrunError, now: datetime) -> dict[str, Any]:

@@ -12,12 +12,11 @@ import os
 import select
 import signal
 import subprocess
-from datetime import datetime, timedelta, timezone
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 import pytest
-import requests
 from click.testing import CliRunner
 
 from consulrun import procinfo
@@ -161,6 +160,8 @@ def test_status_uses_the_manifest_consul_settings(consul: Agent, tmp_path: Path,
     missing = write_manifest(tmp_path, jobs, f"consul: {{address: '{consul.http_addr}', token_file: /nonexistent/t}}\n")
     code, _, err = cli("status", str(missing))
     assert code == 2 and "cannot read Consul token file /nonexistent/t" in err
+    code, out, _ = cli("status", str(missing), "--json")
+    assert code == 2 and json.loads(out)["verdict"] == "usage_error" and json.loads(out)["jobs"] is None
 
 
 def test_acl_hidden_state_is_never_green(acl_agent: tuple[Agent, str], tmp_path: Path) -> None:  # noqa: F811
@@ -287,6 +288,24 @@ def test_lost_and_abandoned_runs_are_visible(consul: Agent) -> None:
     assert "fenced: lost: occurrence 2026-01-01T00:00:00Z on n1 was lost: lock not confirmed for 9.1s" in out
 
 
+def test_forced_unlock_of_a_real_scheduled_run_is_not_green(consul: Agent, tmp_path: Path) -> None:
+    started = tmp_path / "started"
+    runner = consulrun("run", "--schedule", "*-*-* 02:00:00", "broken", "--", "sh", "-c", f"touch {started}; sleep 60")
+    try:
+        wait_for(started.exists, 20, "the scheduled job")
+        assert cli("status", "broken")[0] == 0
+        code, _, err = cli("unlock", "broken", "--yes", "--force")
+        assert code == 0, err
+        assert finish(runner)[0] == 75
+    finally:
+        if runner.poll() is None:
+            runner.send_signal(signal.SIGTERM)
+            finish(runner)
+    code, out, _ = cli("status", "broken", "--json")
+    job = json.loads(out)["jobs"][0]
+    assert code == 1 and job["last"]["state"] in ("lost", "abandoned") and job["problems"][0]["kind"] in ("lost", "abandoned")
+
+
 def test_missed_occurrence_from_manifest_or_stored_schedule(consul: Agent, tmp_path: Path) -> None:
     yearly = "*-01-01 00:00:00 UTC"
     now = datetime.now(timezone.utc)
@@ -320,44 +339,6 @@ def test_overdue_run_of_a_real_job_past_its_timeout(consul: Agent, tmp_path: Pat
     finally:
         runner.send_signal(signal.SIGTERM)
         finish(runner)
-
-
-# --- History ----------------------------------------------------------------------------------------------
-
-
-def test_history_lists_every_attempt_newest_first(consul: Agent) -> None:
-    lost = {"occurrence": "2026-01-02T00:00:00Z", "state": "lost", "node": "n1", "session": "a1", "attempt": 1,
-            "started": "2026-01-02T00:00:01Z", "lost_at": "2026-01-02T00:00:20Z", "reason": "fenced",
-            "takeover": False}
-    put(consul, "consulrun/hist/history/2026-01-01T00:00:00Z", {
-        "occurrence": "2026-01-01T00:00:00Z", "state": "done", "exit_status": 0, "node": "n2", "session": "b",
-        "attempt": 1, "started": "2026-01-01T00:00:02Z", "ended": "2026-01-01T00:00:12Z", "takeover": False})
-    put(consul, "consulrun/hist/occurrence", {
-        "occurrence": "2026-01-02T00:00:00Z", "state": "done", "exit_status": 3, "node": "n2", "session": "a2",
-        "attempt": 2, "takeover": True, "started": "2026-01-02T00:00:40Z", "ended": "2026-01-02T00:01:40Z",
-        "earlier": [lost]})
-    put(consul, "consulrun/hist/lock", {"state": "free", "last": {
-        "node": "n3", "session": "m", "started": "2026-01-03T00:00:00Z", "ended": "2026-01-03T00:00:05Z",
-        "exit_status": 0}})
-    code, out, _ = cli("history", "hist", "--json")
-    runs = json.loads(out)["runs"]
-    assert code == 0
-    assert [(r["occurrence"], r["attempt"], r["state"], r["manual"]) for r in runs] == [
-        (None, None, "done", True), ("2026-01-02T00:00:00Z", 2, "done", False),
-        ("2026-01-02T00:00:00Z", 1, "lost", False), ("2026-01-01T00:00:00Z", 1, "done", False)]
-    assert runs[1]["takeover"] is True and runs[1]["exit_status"] == 3 and runs[1]["duration_s"] == 60
-    assert runs[2]["reason"] == "fenced"
-    code, out, _ = cli("history", "hist", "-n", "2")
-    lines = out.splitlines()
-    assert code == 0 and lines[0].split()[:3] == ["OCCURRENCE", "ATTEMPT", "NODE"] and len(lines) == 3
-    assert "takeover" in lines[2] and "exit 3" in lines[2] and "manual" in lines[1]
-
-
-def test_history_of_real_runs(consul: Agent) -> None:
-    assert finish(consulrun("run", "--schedule", "*-*-* 02:00:00", "real", "--", "sh", "-c", "exit 2"))[0] == 2
-    code, out, _ = cli("history", "real", "--json")
-    runs = json.loads(out)["runs"]
-    assert code == 0 and len(runs) == 1 and runs[0]["exit_status"] == 2 and runs[0]["node"] == "dev1"
 
 
 # --- acl-policy, --watch ----------------------------------------------------------------------------------
