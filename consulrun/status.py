@@ -203,20 +203,40 @@ def _judge_record(status: JobStatus, record: dict[str, Any], expect: Expectation
                                   f"{(now - started).total_seconds():.0f}s on {record.get('node') or '?'}, "
                                   f"longer than its timeout ({expect.timeout_s:.0f}s)",
                        occurrence=record.get("occurrence"))
-    if not record.get("occurrence"):
-        return  # runs without --schedule have no occurrence to miss
     due = calendar.previous(list(expect.schedules), now - timedelta(seconds=expect.lag_s))
-    if due is not None and calendar.occurrence_id(due) > str(record["occurrence"]):
-        status.problem("missed", f"occurrence {calendar.occurrence_id(due)} was claimed by no node within "
-                                 f"{expect.lag_s:.0f}s; the last claimed is {record['occurrence']}",
-                       occurrence=calendar.occurrence_id(due))
+    if due is None:
+        return
+    if record.get("occurrence"):
+        if calendar.occurrence_id(due) > str(record["occurrence"]):
+            status.problem("missed", f"occurrence {calendar.occurrence_id(due)} was claimed by no node within "
+                                     f"{expect.lag_s:.0f}s; the last claimed is {record['occurrence']}",
+                           occurrence=calendar.occurrence_id(due))
+        return
+    # Runs without --schedule (a job with concurrency > 1) record no occurrence: their start times must do.
+    starts = [t for t in [parse_time(record.get("started")), *(parse_time(h["since"]) for h in status.holders)] if t]
+    if starts and max(starts) < due:
+        status.problem("missed", f"no run started since {calendar.occurrence_id(due)} (within {expect.lag_s:.0f}s); "
+                                 f"the last started at {iso(max(starts))}", occurrence=calendar.occurrence_id(due))
+
+
+def _overdue_holders(status: JobStatus, expect: Expectations | None, now: datetime) -> None:
+    """A holder past the job's timeout, for runs that keep no occurrence record (concurrency > 1)."""
+    if expect is None or not expect.timeout_s or any(p["kind"] == "overdue" for p in status.problems):
+        return
+    for holder in status.holders:
+        since = parse_time(holder["since"])
+        if since and (now - since).total_seconds() > expect.timeout_s:
+            status.problem("overdue", f"{holder['key']} has been held by {holder['node']} for "
+                                      f"{(now - since).total_seconds():.0f}s, longer than the job's timeout "
+                                      f"({expect.timeout_s:.0f}s)")
 
 
 def _record_of(keys: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
     if "occurrence" in keys:
         return decoded(keys["occurrence"]) or None
-    lock_values = [decoded(e) for k, e in sorted(keys.items()) if k == "lock" or k.startswith("slots/")]
-    return next((v["last"] for v in lock_values if isinstance(v.get("last"), dict)), None)
+    lasts = [decoded(e).get("last") for k, e in sorted(keys.items()) if k == "lock" or k.startswith("slots/")]
+    runs = [last for last in lasts if isinstance(last, dict)]
+    return max(runs, key=lambda r: str(r.get("started") or "")) if runs else None  # the newest of the slots
 
 
 LAST_FIELDS = ("occurrence", "state", "node", "exit_status", "started", "ended", "takeover", "attempt", "reason")
@@ -248,6 +268,7 @@ def judge_job(name: str, keys: dict[str, dict[str, Any]], manifest: Manifest | N
         status.next = iso(calendar.following(list(expect.schedules), now))
     if record:
         _judge_record(status, record, expect, now)
+    _overdue_holders(status, expect, now)
     return status
 
 

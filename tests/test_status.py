@@ -12,7 +12,7 @@ import os
 import select
 import signal
 import subprocess
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
 
@@ -324,6 +324,24 @@ def test_missed_occurrence_from_manifest_or_stored_schedule(consul: Agent, tmp_p
     put(consul, "consulrun/yearly/occurrence", {"occurrence": due, "state": "done", "exit_status": 0, "node": "n1",
                                                 "session": "s", "schedule": [yearly]})
     assert cli("status", str(manifest))[0] == 0
+
+
+def test_jobs_without_occurrence_records_are_judged_by_start_times(consul: Agent, tmp_path: Path) -> None:
+    manifest = write_manifest(tmp_path, """
+  slotted: {command: "true", schedule: "*-01-01 00:00:00 UTC", lock: {concurrency: 3}}
+  longheld: {command: "true", schedule: "*-*-* *:*:00", timeout: 1m, lock: {concurrency: 2}}
+""")
+    put(consul, "consulrun/slotted/slots/0", {"state": "free", "last": {
+        "node": "n1", "session": "s", "started": "2020-01-01T00:00:05Z", "ended": "2020-01-01T00:00:09Z",
+        "exit_status": 0}})
+    sid = session(consul)
+    an_hour_ago = iso(datetime.now(timezone.utc) - timedelta(hours=1))
+    assert put(consul, "consulrun/longheld/slots/1", {"job": "longheld", "node": "dev1", "pid": 1, "session": sid,
+                                                      "started": an_hour_ago}, acquire=sid)
+    code, out, _ = cli("status", str(manifest), "--json")
+    problems = {j["job"]: [p["kind"] for p in j["problems"]] for j in json.loads(out)["jobs"]}
+    assert code == 3 and problems == {"slotted": ["missed"], "longheld": ["overdue"]}
+    assert cli("status", str(manifest), "longheld")[0] == 4
 
 
 def test_overdue_run_of_a_real_job_past_its_timeout(consul: Agent, tmp_path: Path) -> None:
