@@ -4,11 +4,14 @@ The holder value names the wrapper's pid, its start time (field 22 of
 /proc/<pid>/stat, clock ticks since boot) and the machine's boot id. A pid is
 reused, a (boot id, pid, start time) triple is not: on the same boot of the
 same node, a missing /proc/<pid> or another start time means the wrapper is
-gone, whatever its session still says.
+gone, whatever its session still says. A holder value may also name the
+wrapper's pid namespace (`pid_ns`, as /proc/self/ns/pid reads); if it does
+and it is not ours, its pid cannot be looked up here.
 """
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 BOOT_ID_PATH = "/proc/sys/kernel/random/boot_id"
@@ -18,6 +21,14 @@ def boot_id() -> str | None:
     try:
         with open(BOOT_ID_PATH, encoding="ascii") as handle:
             return handle.read().strip() or None
+    except OSError:
+        return None
+
+
+def pid_namespace() -> str | None:
+    """This process's pid namespace (`pid:[4026531836]`): a pid means something only inside its namespace."""
+    try:
+        return os.readlink("/proc/self/ns/pid")
     except OSError:
         return None
 
@@ -45,6 +56,8 @@ def provably_dead(holder: dict[str, Any], local_node: str | None) -> str | None:
     if local_node is None or holder.get("node") != local_node or not isinstance(pid, int) or pid <= 0:
         return None
     if not isinstance(started, int) or not booted or booted != boot_id():
+        return None
+    if holder.get("pid_ns") and holder["pid_ns"] != pid_namespace():  # optional field: another namespace's pid
         return None
     now_started = process_start(pid)
     if now_started is None:

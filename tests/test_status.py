@@ -252,9 +252,10 @@ def test_dead_holder_on_this_node_is_unhealthy_and_unlock_breaks_it(consul: Agen
         hold(consul, "alive", pid=live.pid, pid_start=live_start, boot_id=boot)
         hold(consul, "reused", pid=live.pid, pid_start=live_start + 1, boot_id=boot)  # the pid is someone else's now
         hold(consul, "elsewhere", node="another-node", pid=pid, pid_start=start, boot_id=boot)  # not provable here
-        code, out, _ = cli("status", "alive", "reused", "elsewhere", "--json")
+        hold(consul, "otherns", pid=pid, pid_start=start, boot_id=boot, pid_ns="pid:[1]")  # nor is another namespace
+        code, out, _ = cli("status", "alive", "reused", "elsewhere", "otherns", "--json")
         health = {j["job"]: j["holders"][0]["healthy"] for j in json.loads(out)["jobs"]}
-        assert code == 5 and health == {"alive": True, "reused": False, "elsewhere": True}
+        assert code == 5 and health == {"alive": True, "reused": False, "elsewhere": True, "otherns": True}
         assert cli("unlock", "alive", "--yes")[0] == 1
         assert cli("unlock", "reused", "--yes")[0] == 0
     finally:
