@@ -326,7 +326,7 @@ def _json(data: object, compact: bool) -> str:
     return json.dumps(data, sort_keys=True, separators=(",", ":")) if compact else json.dumps(data, indent=2, sort_keys=True)
 
 
-def _show_status(kv_prefix: str, statuses: list, health: int, as_json: bool, compact: bool) -> None:  # noqa: ANN001
+def _show_status(kv_prefix: str, statuses: list, health: int, as_json: bool, compact: bool) -> None:
     from datetime import datetime, timezone
 
     from consulrun import status as state

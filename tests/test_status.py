@@ -424,3 +424,19 @@ def test_watch_survives_an_agent_restart(consul_bin: str, tmp_path: Path) -> Non
         watcher.send_signal(signal.SIGINT)
         finish(watcher, timeout=10)
         agent.stop()
+
+
+def test_process_start_survives_odd_process_names() -> None:
+    import sys
+
+    child = subprocess.Popen([sys.executable, "-c", "open('/proc/self/comm', 'w').write('a) b (c'); import time; "
+                              "print(flush=True); time.sleep(30)"], stdout=subprocess.PIPE, text=True)
+    try:
+        child.stdout.readline()  # type: ignore[union-attr]
+        assert Path(f"/proc/{child.pid}/comm").read_text().strip() == "a) b (c"
+        fields = Path(f"/proc/{child.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        assert procinfo.process_start(child.pid) == int(fields[19]) > 0
+    finally:
+        child.kill()
+        child.wait()
+    assert procinfo.process_start(child.pid) is None
