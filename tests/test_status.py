@@ -307,6 +307,20 @@ def test_forced_unlock_of_a_real_scheduled_run_is_not_green(consul: Agent, tmp_p
     assert code == 1 and job["last"]["state"] in ("lost", "abandoned") and job["problems"][0]["kind"] in ("lost", "abandoned")
 
 
+def test_runner_killed_9_shows_abandoned_once_its_session_is_gone(consul: Agent, tmp_path: Path) -> None:
+    started = tmp_path / "started"
+    runner = consulrun("run", "--ttl", "10s", "--schedule", "*-*-* 02:00:00", "killed", "--", "sh", "-c",
+                       f"touch {started}; exec sleep 60")
+    wait_for(started.exists, 20, "the scheduled job")
+    runner.kill()  # as the OOM killer does: nothing is recorded
+    runner.wait()
+    # Until Consul ends the session (TTL) the lock may look held; never may the run look fine once it is gone.
+    code, out, _ = wait_for(lambda: (lambda r: r if r[0] == 1 else None)(cli("status", "killed", "--json")), 60,
+                            "status to call the killed run abandoned")
+    job = json.loads(out)["jobs"][0]
+    assert job["state"] == "free" and job["last"]["state"] == "abandoned" and job["problems"][0]["kind"] == "abandoned"
+
+
 def test_missed_occurrence_from_manifest_or_stored_schedule(consul: Agent, tmp_path: Path) -> None:
     yearly = "*-01-01 00:00:00 UTC"
     now = datetime.now(timezone.utc)
