@@ -15,7 +15,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
-from typing import Any
+from typing import Any, Callable
 
 from consulrun import calendar, procinfo
 from consulrun.consulapi import Client, decoded
@@ -89,7 +89,8 @@ def seconds_between(start: Any, end: Any) -> float | None:
     return (ended - began).total_seconds() if began and ended else None
 
 
-def session_health(client: Client, session_id: str) -> tuple[bool, str]:
+def session_health(client: Client, session_id: str,
+                   node_checks: Callable[[str], list[dict[str, Any]]] | None = None) -> tuple[bool, str]:
     """(healthy, why), as Consul judges it: a session lives until it is destroyed or a bound check is critical.
 
     A check in `warning` does not invalidate a session, so it leaves the
@@ -99,7 +100,7 @@ def session_health(client: Client, session_id: str) -> tuple[bool, str]:
     if not info:
         return False, "session no longer exists"
     bound = set(info.get("NodeChecks") or []) | {c.get("ID") for c in info.get("ServiceChecks") or []}
-    checks = {c["CheckID"]: c["Status"] for c in client.node_checks(info["Node"])}
+    checks = {c["CheckID"]: c["Status"] for c in (node_checks or client.node_checks)(info["Node"])}
     critical = sorted(cid for cid in bound if checks.get(cid, "critical") == "critical")
     if critical:
         return False, f"check(s) critical or gone on {info['Node']}: {', '.join(critical)}"
@@ -115,6 +116,12 @@ class HolderJudge:
     def __init__(self, client: Client) -> None:
         self.client = client
         self._node: str | None | bool = False  # False: not asked yet
+        self._checks: dict[str, list[dict[str, Any]]] = {}  # one health read per node, however many holders
+
+    def node_checks(self, node: str) -> list[dict[str, Any]]:
+        if node not in self._checks:
+            self._checks[node] = self.client.node_checks(node)
+        return self._checks[node]
 
     def local_node(self) -> str | None:
         if self._node is False:
@@ -126,7 +133,7 @@ class HolderJudge:
 
     def holder(self, entry: dict[str, Any]) -> dict[str, Any]:
         value = decoded(entry)
-        healthy, why = session_health(self.client, entry["Session"])
+        healthy, why = session_health(self.client, entry["Session"], self.node_checks)
         if healthy and value.get("boot_id") and value.get("boot_id") == procinfo.boot_id():
             dead = procinfo.provably_dead(value, self.local_node())
             if dead:
