@@ -215,12 +215,14 @@ def test_warning_check_leaves_the_holder_healthy_critical_does_not(consul: Agent
         consul.api("PUT", "agent/check/pass/disk-ok")
         sid = hold(consul, "checked", checks=("serfHealth", "disk-ok"))
         consul.api("PUT", "agent/check/warn/disk-ok")  # not passing, yet not critical: Consul keeps the session
-        code, out, _ = cli("status")
+        code, out, _ = wait_for(lambda: (lambda r: r if "warning" in r[1] else None)(cli("status")), 20,
+                                "the warning to reach the catalog")
         assert code == 0 and "warning (Consul keeps the session): disk-ok" in out
         code, _, err = cli("unlock", "checked", "--yes")
         assert code == 1 and "healthy" in err
         assert consul.get(f"session/info/{sid}")
         consul.api("PUT", "agent/check/fail/disk-ok")  # critical: Consul invalidates the session, frees the lock
+        wait_for(lambda: not consul.get(f"session/info/{sid}"), 20, "Consul to invalidate the session")
         code, out, _ = cli("status", "--json")
         assert code == 0 and json.loads(out)["jobs"][0]["state"] == "free"
     finally:
