@@ -11,6 +11,7 @@ import os
 import shutil
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
@@ -20,18 +21,25 @@ from consulrun.durations import LOCK_DELAY_RANGE_MS, TTL_RANGE_MS
 from consulrun.options import Duration, consul_config, consul_options
 from consulrun.schema import name_problem
 
+if TYPE_CHECKING:
+    from consulrun.manifest import Manifest
+
 EXIT_CODES_HELP = """
 \b
 Exit statuses:
   0   success (for `run`: the job's own status is passed through)
-  1   failure without a more specific status (e.g. `generate --check` found changes)
+  1   failure without a more specific status (e.g. `generate --check` found changes);
+      `status`: a job's last run failed, was lost or was abandoned
   2   bad usage or invalid manifest
-  5   `status`: a lock is held by an unhealthy or vanished session
+  3   `status`: a due occurrence was missed (claimed by no node in time)
+  4   `status`: a run has lasted longer than its job's timeout
+  5   `status`: a lock is held by a vanished or critical session, or a dead process
+  6   `status`, `unlock`, `history`: no state in Consul for the prefix or job asked about
   69  Consul unavailable: nothing was started
   70  Consul answered something unexpected
   74  writing output failed
   75  lock lost while the job ran: the job was killed
-  77  permission denied by Consul ACLs: nothing was started
+  77  permission denied by Consul ACLs: nothing was started (`status`: ACLs hide part of the state)
   127 `run`: the job's command could not be started
 """
 
@@ -241,71 +249,184 @@ def _install_remote(hosts: list[str], text: str, remote_argv: list[str], ssh_opt
         raise ConsulrunError(f"install failed on {len(failed)} of {len(results)} node(s): {', '.join(failed)}")
 
 
-@main.command()
-@click.argument("manifest", required=False, type=click.Path(dir_okay=False, path_type=Path))
+def _manifest_and_jobs(targets: tuple[str, ...]) -> tuple[Manifest | None, tuple[str, ...]]:
+    """Split `[MANIFEST] [JOB]...`: the first argument is a manifest if it has a '/' or ends in .yaml/.yml/.json."""
+    from consulrun.manifest import load_manifest
+
+    loaded = None
+    if targets and ("/" in targets[0] or targets[0].endswith((".yaml", ".yml", ".json"))):
+        loaded, targets = load_manifest(Path(targets[0])), targets[1:]
+    for job in targets:
+        problem = name_problem(job)
+        if problem:
+            raise UsageError(problem)
+    return loaded, targets
+
+
+STATUS_EXIT_HELP = """
+\b
+Exit status (for monitoring checks; the first that applies wins):
+  5  a lock is held by a session that is gone, whose bound check is critical,
+     or (seen from the holder's own node) whose wrapper process is dead
+  3  missed: a due occurrence was claimed by no node in time
+  4  overdue: a run has lasted longer than its job's timeout
+  1  a job's last run failed, was lost or was abandoned
+  0  all of the above are fine (a bound check in warning does not count:
+     Consul keeps such sessions)
+  6  nothing to judge: no state under the prefix, or a JOB with none
+  69 Consul unavailable; 77 ACLs hide part of what status must read
+"""
+
+
+@main.command(epilog=STATUS_EXIT_HELP)
+@click.argument("targets", nargs=-1, metavar="[MANIFEST] [JOB]...")
 @click.option("--prefix", default=None, help="KV prefix [default: the manifest's kv_prefix, else consulrun].")
 @click.option("--json", "as_json", is_flag=True, help="Print the documented JSON structure instead of a table.")
-@click.option("--watch", is_flag=True, help="Redraw whenever Consul's state changes (blocking queries, no polling).")
+@click.option("--watch", is_flag=True,
+              help="Redraw whenever Consul's state changes (blocking queries) and at least every 10s; Ctrl-C ends it.")
+@click.option("--grace", type=Duration(), default="60s", show_default=True,
+              help="How long past its time (plus the timer's accuracy and randomized delay) an occurrence may stay "
+                   "unclaimed before it counts as missed.")
 @consul_options
-def status(manifest: Path | None, prefix: str | None, as_json: bool, watch: bool, **consul: str | None) -> None:
-    """Show who holds each job's lock, since when, its health, and how the last runs went.
+def status(targets: tuple[str, ...], prefix: str | None, as_json: bool, watch: bool, grace: int,
+           **consul: str | None) -> None:
+    """Show who holds each job's lock, whether that holder lives, and whether runs happen and succeed.
 
-    \b
-    Exit status (for monitoring checks):
-      0  every holder is healthy and every last run succeeded
-      1  some job's last run failed, was lost or was abandoned
-      5  a lock is held by a session that is gone or whose node/checks are not passing
-      69 Consul unavailable
+    With MANIFEST, every job of the manifest is shown (with missed and
+    overdue runs judged from its schedules, timer settings and timeouts) and
+    Consul is reached with the manifest's `consul:` settings unless the
+    environment or an option overrides them. JOB names limit the output.
     """
-    import json
+    from datetime import datetime, timezone
 
     from consulrun import status as state
     from consulrun.consulapi import Client
-    from consulrun.manifest import load_manifest
 
-    loaded = load_manifest(manifest) if manifest else None
-    kv_prefix = prefix or (loaded.kv_prefix if loaded else "consulrun")
-    client = Client(consul_config(consul))
-    index: int | None = None
-    while True:
-        index, statuses = state.collect(client, kv_prefix, loaded, index=index, wait_s=300 if index else None)
-        health = state.verdict(statuses)
+    kv_prefix = prefix or "consulrun"
+    try:
+        loaded, jobs = _manifest_and_jobs(targets)
+        kv_prefix = prefix or (loaded.kv_prefix if loaded else "consulrun")
         if watch:
-            click.clear()
-        if as_json:
-            click.echo(json.dumps(state.as_json(kv_prefix, statuses, health), indent=2, sort_keys=True))
-        else:
-            rows = state.table(statuses)
-            widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-            for row in rows:
-                click.echo("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip())
-        if not watch:
-            sys.exit(health)
-        sys.stdout.flush()  # a redraw must reach a pipe (watch | tee) now, not when a buffer fills
+            _watch_status(lambda: Client(consul_config(dict(consul), loaded.consul if loaded else None)), kv_prefix,
+                          loaded, jobs, as_json, grace / 1000)
+        client = Client(consul_config(consul, loaded.consul if loaded else None))
+        _, statuses = state.collect(client, kv_prefix, loaded, only=jobs, grace_s=grace / 1000)
+    except ConsulrunError as exc:
+        if as_json:  # a monitoring parser gets an answer it cannot take for "all well"
+            click.echo(_json(state.error_json(kv_prefix, exc, datetime.now(timezone.utc)), compact=False))
+        raise
+    health = state.verdict(statuses)
+    _show_status(kv_prefix, statuses, health, as_json, compact=False)
+    sys.exit(health)
+
+
+def _json(data: object, compact: bool) -> str:
+    import json
+
+    return json.dumps(data, sort_keys=True, separators=(",", ":")) if compact else json.dumps(data, indent=2, sort_keys=True)
+
+
+def _show_status(kv_prefix: str, statuses: list, health: int, as_json: bool, compact: bool) -> None:
+    from datetime import datetime, timezone
+
+    from consulrun import status as state
+
+    now = datetime.now(timezone.utc)
+    if as_json:
+        click.echo(_json(state.as_json(kv_prefix, statuses, state.Health(health), now), compact))
+        return
+    rows = state.table(statuses, now)
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    for row in rows:
+        click.echo("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip())
+    for line in state.problem_lines(statuses):
+        click.echo(line)
+
+
+WATCH_REFRESH_S = 10.0  # redraw at least this often, so relative times and NEXT stay true
+
+
+def _watch_status(make_client, kv_prefix: str, loaded, jobs: tuple[str, ...], as_json: bool,  # noqa: ANN001
+                  grace_s: float) -> None:
+    """Redraw until Ctrl-C (exit 130, quietly); an unreachable agent is retried with backoff and said so."""
+    import time
+    from datetime import datetime, timezone
+
+    from consulrun import status as state
+
+    index: int | None = None
+    delay = 1.0
+    refreshed = "never"
+    client = None
+    try:
+        while True:
+            try:
+                client = client or make_client()
+                index, statuses = state.collect(client, kv_prefix, loaded, only=jobs, index=index,
+                                                wait_s=WATCH_REFRESH_S if index else None, grace_s=grace_s)
+            except state.NoState as exc:  # state may appear: wait for it with a blocking query
+                if as_json:
+                    click.echo(_json(state.error_json(kv_prefix, exc, datetime.now(timezone.utc)), compact=True))
+                else:
+                    click.clear()
+                    click.echo(f"{exc.format_message()}; watching for it (Ctrl-C to quit)")
+                if index is not None and exc.index == index:
+                    time.sleep(1.0)  # the blocking query returned without a change; do not spin
+                index = exc.index or None
+                sys.stdout.flush()
+                continue
+            except UsageError:
+                raise  # e.g. an unreadable token file: waiting will not fix it
+            except ConsulrunError as exc:  # agent restarting, connection dropped, leader election, ACL change
+                if as_json:
+                    click.echo(_json({**state.error_json(kv_prefix, exc, datetime.now(timezone.utc)),
+                                      "reconnecting_in_s": delay}, compact=True))
+                else:
+                    click.echo(f"{exc.format_message()}; reconnecting in {delay:.0f}s "
+                               f"(last refreshed {refreshed})", err=False)
+                sys.stdout.flush()
+                time.sleep(delay)
+                delay, index = min(delay * 2, 30.0), None
+                continue
+            delay = 1.0
+            refreshed = datetime.now().strftime("%H:%M:%S")
+            health = state.verdict(statuses)
+            if not as_json:
+                click.clear()
+            _show_status(kv_prefix, statuses, health, as_json, compact=True)
+            if not as_json:
+                click.echo(f"-- refreshed {refreshed}; verdict {health.name.lower()} ({int(health)}); Ctrl-C to quit")
+            sys.stdout.flush()  # a redraw must reach a pipe (watch | tee) now, not when a buffer fills
+    except KeyboardInterrupt:
+        sys.exit(130)
 
 
 @main.command()
-@click.argument("job")
-@click.option("--prefix", default="consulrun", show_default=True, help="KV prefix of the job's keys.")
+@click.argument("targets", nargs=-1, required=True, metavar="[MANIFEST] JOB")
+@click.option("--prefix", default=None, help="KV prefix [default: the manifest's kv_prefix, else consulrun].")
 @click.option("--yes", is_flag=True, help="Do not ask for confirmation.")
 @click.option("--force", is_flag=True, help="Break the lock even if its holder looks healthy.")
 @consul_options
-def unlock(job: str, prefix: str, yes: bool, force: bool, **consul: str | None) -> None:
+def unlock(targets: tuple[str, ...], prefix: str | None, yes: bool, force: bool, **consul: str | None) -> None:
     """Break JOB's stuck lock by destroying the holder's session.
 
-    Refuses when the holder's session and node checks are healthy, unless
-    --force: destroying a live holder's session makes it kill its job (exit 75).
+    Refuses when the holder is healthy as Consul judges it (session alive, no
+    bound check critical) and, on the holder's own node, its wrapper process
+    still runs, unless --force: destroying a live holder's session makes it
+    kill its job (exit 75). Either way lock-delay applies: nobody can take
+    the lock for the session's lock-delay. Exit 6 if JOB has no state at all.
     """
     from consulrun import status as state
     from consulrun.consulapi import Client
 
     _setup_logging()
-    problem = name_problem(job)
-    if problem:
-        raise UsageError(problem)
-    client = Client(consul_config(consul))
-    _, statuses = state.collect(client, prefix, None)
-    holders = next((s.holders for s in statuses if s.job == job), [])
+    loaded, jobs = _manifest_and_jobs(targets)
+    if len(jobs) != 1:
+        raise UsageError("unlock takes one JOB, after an optional MANIFEST")
+    job = jobs[0]
+    kv_prefix = prefix or (loaded.kv_prefix if loaded else "consulrun")
+    client = Client(consul_config(consul, loaded.consul if loaded else None))
+    holders = state.job_holders(client, kv_prefix, job)
     if not holders:
         click.echo(f"{job} is not locked")
         return
@@ -314,13 +435,17 @@ def unlock(job: str, prefix: str, yes: bool, force: bool, **consul: str | None) 
         if holder["healthy"] and not force:
             raise ConsulrunError(f"{job} is held by {who}, which is healthy ({holder['health']}); "
                                  "use --force to break it anyway")
+        click.echo(f"{job}: will destroy session {holder['session']} of {who} ({holder['health']}); Consul then "
+                   "frees the lock and keeps it from everyone for the session's lock-delay"
+                   + ("; a live holder kills its job (exit 75)" if holder["healthy"] else ""), err=True)
         if not yes and not click.confirm(f"Destroy the session of {who}?", err=True):
             raise ConsulrunError("not confirmed; nothing changed")
-        if client.session_destroy_checked(holder["session"]):
-            logging.getLogger("consulrun").warning("%s: unlocked: destroyed session %s held by %s (%s)", job,
-                                                   holder["session"], holder["node"], holder["health"])
-        else:
+        if client.session_visible(holder["session"]) is None:
             click.echo(f"session {holder['session']} was already gone")
+            continue
+        client.session_destroy(holder["session"])
+        logging.getLogger("consulrun").warning("%s: unlocked: destroyed session %s held by %s (%s)", job,
+                                               holder["session"], holder["node"], holder["health"])
 
 
 @main.command("acl-policy")
@@ -336,3 +461,35 @@ def acl_policy(manifest: Path | None, prefix: str | None) -> None:
     # A bound check may be a service check; reading those needs service read, so grant it only then.
     service_checks = bool(loaded) and any(job.lock.checks for job in loaded.jobs)
     click.echo(policy_hcl(kv_prefix, service_checks=service_checks), nl=False)
+
+
+@main.command()
+@click.argument("targets", nargs=-1, required=True, metavar="[MANIFEST] JOB")
+@click.option("--prefix", default=None, help="KV prefix [default: the manifest's kv_prefix, else consulrun].")
+@click.option("--json", "as_json", is_flag=True, help="Print a JSON list of runs instead of a table.")
+@click.option("-n", "limit", type=click.IntRange(1, 100_000), default=20, show_default=True, help="How many runs.")
+@consul_options
+def history(targets: tuple[str, ...], prefix: str | None, as_json: bool, limit: int, **consul: str | None) -> None:
+    """List JOB's runs across the cluster, newest first, every attempt of a taken-over occurrence included.
+
+    What is kept is what the runs recorded: the newest `history` (manifest;
+    `--history` of `run`) occurrences, and the last run made without
+    --schedule (marked manual). Exit 6 if JOB has no state at all.
+    """
+    from datetime import datetime, timezone
+
+    from consulrun import history as past
+    from consulrun.consulapi import Client
+
+    loaded, jobs = _manifest_and_jobs(targets)
+    if len(jobs) != 1:
+        raise UsageError("history takes one JOB, after an optional MANIFEST")
+    kv_prefix = prefix or (loaded.kv_prefix if loaded else "consulrun")
+    rows = past.runs(Client(consul_config(consul, loaded.consul if loaded else None)), kv_prefix, jobs[0], limit)
+    if as_json:
+        click.echo(_json({"prefix": kv_prefix, "job": jobs[0], "runs": rows}, compact=False))
+        return
+    table = past.table(rows, datetime.now(timezone.utc))
+    widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
+    for row in table:
+        click.echo("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip())

@@ -288,3 +288,42 @@ class Client:
             return False
         self.session_destroy(session)
         return True
+
+    # --- Reads for status/unlock/history that refuse to be blind -------------------------------------------
+    # Consul filters list, session and health answers by ACLs silently, except for one header; these reads
+    # turn that header into PermissionDenied, so a hidden key, session or check is never taken for absent.
+
+    def _visible(self, what: str, path: str, params: list[tuple[str, Any]]) -> tuple[int, Any]:
+        def answer(response: Any) -> tuple[int, Any]:
+            consul.callback.CB._status(response)  # noqa: SLF001 - py-consul's own status mapping (403 included)
+            if str(response.headers.get(ACL_FILTERED_HEADER, "")).lower() == "true":
+                raise consul.ACLPermissionDenied(f"the token cannot read all of it ({ACL_FILTERED_HEADER})")
+            index = int(response.headers.get("X-Consul-Index") or 0)
+            return index, (None if response.code == 404 else json.loads(response.body))
+
+        with self._translated(what):
+            return self._api.http.get(answer, path, params=params, headers=self._api.prepare_headers())
+
+    def kv_tree(self, prefix: str, *, index: int | None = None, wait_s: float | None = None) -> tuple[int, list[dict[str, Any]]]:
+        """Every entry under `prefix` (values decoded to text); PermissionDenied if ACLs hid any of them."""
+        params: list[tuple[str, Any]] = [("recurse", "1")]
+        if index:
+            params += [("index", index), ("wait", f"{max(1, int((wait_s or 300) * 1000))}ms")]
+        idx, entries = self._visible(f"reading {prefix}", f"/v1/kv/{prefix}", params)
+        for entry in entries or []:
+            if entry.get("Value") is not None:
+                entry["Value"] = base64.b64decode(entry["Value"]).decode("utf-8", "replace")
+        return idx, entries or []
+
+    def session_visible(self, session: str) -> dict[str, Any] | None:
+        """The session, None if it does not exist; PermissionDenied if ACLs hid it."""
+        _, found = self._visible("reading a session", f"/v1/session/info/{session}", [])
+        return found[0] if found else None
+
+    def node_checks(self, node: str) -> list[dict[str, Any]]:
+        """Every check of `node`; PermissionDenied if ACLs hid any of them."""
+        _, found = self._visible(f"reading the health of node {node}", f"/v1/health/node/{node}", [])
+        return found or []
+
+
+ACL_FILTERED_HEADER = "X-Consul-Results-Filtered-By-ACLs"

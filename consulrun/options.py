@@ -11,6 +11,7 @@ from consulrun.durations import DurationError, parse_duration
 
 if TYPE_CHECKING:
     from consulrun.consulapi import ConsulConfig
+    from consulrun.manifest import ConsulSettings
 
 
 class Duration(click.ParamType):
@@ -48,11 +49,32 @@ def consul_options(func: Callable[..., Any]) -> Callable[..., Any]:
     return func
 
 
-def consul_config(kwargs: dict[str, Any]) -> "ConsulConfig":
-    """Build the config from the options (which already fell back to the environment) and the rest of the env."""
+# The manifest's `consul:` keys and the variables the generated units set from them.
+MANIFEST_CONSUL_ENV = {"address": "CONSUL_HTTP_ADDR", "token_file": "CONSUL_HTTP_TOKEN_FILE", "ca_file": "CONSUL_CACERT",
+                       "cert_file": "CONSUL_CLIENT_CERT", "key_file": "CONSUL_CLIENT_KEY",
+                       "tls_server_name": "CONSUL_TLS_SERVER_NAME"}
+
+
+def manifest_consul_env(settings: "ConsulSettings | None") -> dict[str, str]:
+    """The CONSUL_* variables a manifest's `consul:` settings stand for, as the units get them."""
+    if settings is None:
+        return {}
+    return {var: str(getattr(settings, key)) for key, var in MANIFEST_CONSUL_ENV.items() if getattr(settings, key)}
+
+
+def consul_config(kwargs: dict[str, Any], manifest_consul: "ConsulSettings | None" = None) -> "ConsulConfig":
+    """Build the config from the options (which already fell back to the environment) and the rest of the env.
+
+    A manifest's `consul:` settings come below both: a command pointed at a
+    manifest reaches Consul as that manifest's units do, unless the operator's
+    environment or options say otherwise.
+    """
+    import os
+
     from consulrun.consulapi import ConsulConfig  # the Consul client is imported only by commands that use it
 
+    env = {**manifest_consul_env(manifest_consul), **{k: v for k, v in os.environ.items() if v}}
     return ConsulConfig.from_env(
-        address=kwargs.pop("http_addr"), token_file=kwargs.pop("token_file"), ca_file=kwargs.pop("ca_file"),
+        env, address=kwargs.pop("http_addr"), token_file=kwargs.pop("token_file"), ca_file=kwargs.pop("ca_file"),
         client_cert=kwargs.pop("client_cert"), client_key=kwargs.pop("client_key"),
         tls_server_name=kwargs.pop("tls_server_name"))

@@ -1,142 +1,374 @@
-"""What Consul knows about each job: who holds it, since when, is that holder healthy, how did runs go.
+"""What Consul knows about each job: who holds it, is that holder alive, did the runs happen and succeed.
 
 `collect` reads everything under the prefix in one (optionally blocking)
-query, plus the health of each holding session's node, and returns plain
+query, plus the session and node health of each holder, and returns plain
 data that the CLI prints as a table or as JSON (the JSON shape is documented
 in the README and kept stable).
+
+Never green when blind: every read here fails with PermissionDenied (exit 77)
+when Consul's ACLs hid part of the answer, and a prefix with no state at all
+is said to be empty (exit 6) rather than reported as all well.
 """
 
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
-from typing import Any
+from datetime import datetime, timedelta, timezone
+from typing import Any, Callable
 
-from consulrun import calendar
+from consulrun import calendar, procinfo
 from consulrun.consulapi import Client, decoded
-from consulrun.manifest import Manifest
+from consulrun.errors import ConsulrunError, PermissionDenied
+from consulrun.manifest import Job, Manifest
+
+DEFAULT_GRACE_S = 60.0
+UNKNOWN_ACCURACY_S = 60.0  # systemd's AccuracySec= default, assumed when no manifest says better
 
 
 class Health(enum.IntEnum):
-    """Overall verdict, as the exit status of `consulrun status` (for monitoring checks)."""
+    """Overall verdict, as the exit status of `consulrun status` (for monitoring checks); the worst one wins."""
 
     OK = 0
-    LAST_RUN_FAILED = 1
-    HOLDER_UNHEALTHY = 5
+    LAST_RUN_FAILED = 1  # a job's last run exited non-zero, was lost or was abandoned
+    MISSED = 3  # a due occurrence was claimed by no node in time (dead-man's switch)
+    OVERDUE = 4  # a run has lasted longer than its job's timeout
+    HOLDER_UNHEALTHY = 5  # a lock is held by a session that is gone, critical, or whose process is dead
+    NO_STATE = 6  # nothing under the prefix (or for the job asked about): nothing to judge
+
+
+# Most urgent first: a stuck lock explains a missed run, a missed run matters more than a slow one.
+SEVERITY = [Health.HOLDER_UNHEALTHY, Health.MISSED, Health.OVERDUE, Health.LAST_RUN_FAILED]
+PROBLEM_HEALTH = {"unhealthy": Health.HOLDER_UNHEALTHY, "missed": Health.MISSED, "overdue": Health.OVERDUE,
+                  "failed": Health.LAST_RUN_FAILED, "lost": Health.LAST_RUN_FAILED,
+                  "abandoned": Health.LAST_RUN_FAILED}
+
+
+class NoState(ConsulrunError):
+    """The job (or the whole prefix) has no state in Consul: a wrong name or prefix, or nothing ever ran."""
+
+    exit_code = Health.NO_STATE
+
+    def __init__(self, message: str, index: int = 0) -> None:
+        super().__init__(message)
+        self.index = index  # a watcher blocks on it until state appears
 
 
 @dataclass
 class JobStatus:
     job: str
-    state: str  # held | free | never run | orphaned
+    state: str  # held | free | never run | orphaned | unknown
     in_manifest: bool
     holders: list[dict[str, Any]] = field(default_factory=list)
     last: dict[str, Any] | None = None
     next: str | None = None
+    problems: list[dict[str, Any]] = field(default_factory=list)
 
-    def failed(self) -> bool:
-        last = self.last or {}
-        return last.get("state") in ("lost", "abandoned") or last.get("exit_status") not in (None, 0)
+    def health(self) -> Health:
+        kinds = {PROBLEM_HEALTH[p["kind"]] for p in self.problems}
+        return next((h for h in SEVERITY if h in kinds), Health.OK)
+
+    def problem(self, kind: str, detail: str, **extra: Any) -> None:
+        self.problems.append({"kind": kind, "detail": detail, **extra})
 
 
-def _iso(when: datetime | None) -> str | None:
+def iso(when: datetime | None) -> str | None:
     return when.astimezone(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ") if when else None
 
 
-def _seconds_between(start: str | None, end: str | None) -> float | None:
+def parse_time(text: Any) -> datetime | None:
     try:
-        return (datetime.fromisoformat(end.replace("Z", "+00:00")) -  # type: ignore[union-attr]
-                datetime.fromisoformat(start.replace("Z", "+00:00"))).total_seconds()  # type: ignore[union-attr]
-    except (AttributeError, ValueError):
+        when = datetime.fromisoformat(str(text).replace("Z", "+00:00"))
+    except ValueError:
         return None
+    return when if when.tzinfo else when.replace(tzinfo=timezone.utc)
 
 
-def session_health(client: Client, session_id: str) -> tuple[bool, str]:
-    """(healthy, why): a session is healthy if it exists and every check bound to it passes."""
-    info = client.session_info(session_id)
+def seconds_between(start: Any, end: Any) -> float | None:
+    began, ended = parse_time(start), parse_time(end)
+    return (ended - began).total_seconds() if began and ended else None
+
+
+def session_health(client: Client, session_id: str,
+                   node_checks: Callable[[str], list[dict[str, Any]]] | None = None) -> tuple[bool, str]:
+    """(healthy, why), as Consul judges it: a session lives until it is destroyed or a bound check is critical.
+
+    A check in `warning` does not invalidate a session, so it leaves the
+    holder healthy (the reason says so).
+    """
+    info = client.session_visible(session_id)
     if not info:
         return False, "session no longer exists"
     bound = set(info.get("NodeChecks") or []) | {c.get("ID") for c in info.get("ServiceChecks") or []}
-    checks = {c["CheckID"]: c["Status"] for c in client.node_health(info["Node"])}
-    failing = sorted(cid for cid in bound if checks.get(cid) != "passing")
-    if failing:
-        return False, f"check(s) not passing on {info['Node']}: {', '.join(failing)}"
+    checks = {c["CheckID"]: c["Status"] for c in (node_checks or client.node_checks)(info["Node"])}
+    critical = sorted(cid for cid in bound if checks.get(cid, "critical") == "critical")
+    if critical:
+        return False, f"check(s) critical or gone on {info['Node']}: {', '.join(critical)}"
+    warning = sorted(cid for cid in bound if checks.get(cid) != "passing")
+    if warning:
+        return True, f"passing; warning (Consul keeps the session): {', '.join(warning)}"
     return True, "passing"
 
 
-def _jobs_from_entries(prefix: str, entries: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, Any]]]:
+class HolderJudge:
+    """Judges holders: Consul's view of the session, plus, on the holder's own node, whether its process lives."""
+
+    def __init__(self, client: Client) -> None:
+        self.client = client
+        self._node: str | None | bool = False  # False: not asked yet
+        self._checks: dict[str, list[dict[str, Any]]] = {}  # one health read per node, however many holders
+
+    def node_checks(self, node: str) -> list[dict[str, Any]]:
+        if node not in self._checks:
+            self._checks[node] = self.client.node_checks(node)
+        return self._checks[node]
+
+    def local_node(self) -> str | None:
+        if self._node is False:
+            try:
+                self._node = self.client.node_name()
+            except PermissionDenied:  # no agent:read: dead pids cannot be proven, Consul's view still stands
+                self._node = None
+        return self._node  # type: ignore[return-value]
+
+    def holder(self, entry: dict[str, Any]) -> dict[str, Any]:
+        value = decoded(entry)
+        healthy, why = session_health(self.client, entry["Session"], self.node_checks)
+        if healthy and value.get("boot_id") and value.get("boot_id") == procinfo.boot_id():
+            dead = procinfo.provably_dead(value, self.local_node())
+            if dead:
+                healthy, why = False, dead
+        return {"key": entry["Key"], "node": value.get("node"), "since": value.get("started"),
+                "session": entry["Session"], "pid": value.get("pid"), "unit": value.get("unit"),
+                "healthy": healthy, "health": why}
+
+
+def _jobs_from_entries(base: str, entries: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, Any]]]:
     jobs: dict[str, dict[str, dict[str, Any]]] = {}
     for entry in entries:
-        rest = entry["Key"][len(prefix):].split("/", 1)
+        rest = entry["Key"][len(base):].split("/", 1)
         if len(rest) == 2 and rest[0]:
             jobs.setdefault(rest[0], {})[rest[1]] = entry
     return jobs
 
 
-def collect(client: Client, prefix: str, manifest: Manifest | None, *, index: int | None = None,
-            wait_s: float | None = None, now: datetime | None = None) -> tuple[int, list[JobStatus]]:
-    """(Consul index for a blocking follow-up, one JobStatus per job); manifest jobs first, then orphans."""
-    base = prefix.strip("/") + "/"
-    idx, entries = client.kv_get(base, recurse=True, index=index, wait_s=wait_s)
-    found = _jobs_from_entries(base, entries or [])
-    now = now or datetime.now(timezone.utc)
+def probe(client: Client, key: str) -> None:
+    """Read one key directly: Consul answers 403 (PermissionDenied) where a listing would only leave it out."""
+    client.kv_get(key)
+
+
+def read_prefix(client: Client, base: str, *, index: int | None = None,
+                wait_s: float | None = None) -> tuple[int, dict[str, dict[str, dict[str, Any]]]]:
+    """(index, job -> key -> entry) for everything under `base` (ending in '/'); 77 if any of it is hidden."""
+    idx, entries = client.kv_tree(base, index=index, wait_s=wait_s)
+    if not entries:
+        probe(client, base)
+    return idx, _jobs_from_entries(base, entries)
+
+
+@dataclass(frozen=True)
+class Expectations:
+    """What a job's schedule lets `status` expect: occurrences claimed in time, runs ending in time."""
+
+    schedules: tuple[str, ...]
+    lag_s: float  # how long after its scheduled time an occurrence may still be unclaimed
+    timeout_s: float | None
+
+    @classmethod
+    def of(cls, job: Job | None, record: dict[str, Any] | None, grace_s: float) -> "Expectations | None":
+        if job is not None:
+            lag = (job.timer.accuracy_ms + job.timer.randomized_delay_ms) / 1000 + grace_s
+            return cls(job.schedules, lag, job.timeout_ms / 1000 if job.timeout_ms else None)
+        stored = (record or {}).get("schedule")
+        if isinstance(stored, list) and stored and all(isinstance(s, str) for s in stored):
+            return cls(tuple(stored), UNKNOWN_ACCURACY_S + grace_s, None)
+        return None
+
+
+def _judge_record(status: JobStatus, record: dict[str, Any], expect: Expectations | None, now: datetime) -> None:
+    state = record.get("state")
+    if state is None and record.get("lost"):  # a run without --schedule: only the lock's `last` tells
+        state = "lost"
+        status.last = {**(status.last or {}), "state": "lost", "reason": str(record["lost"])}
+    sessions = {h["session"] for h in status.holders}
+    if state == "running" and record.get("session") and record["session"] not in sessions:
+        status.last = {**(status.last or {}), "state": "abandoned",
+                       "reason": "its runner's session no longer holds the lock and no result was recorded"}
+        state = "abandoned"
+    if state in ("lost", "abandoned"):
+        reason = (status.last or {}).get("reason") or "no reason recorded"
+        status.problem(state, f"occurrence {record.get('occurrence') or '?'} on {record.get('node') or '?'} "
+                              f"was {state}: {reason}", occurrence=record.get("occurrence"))
+    elif record.get("exit_status") not in (None, 0):
+        status.problem("failed", f"last run on {record.get('node') or '?'} exited {record['exit_status']}",
+                       occurrence=record.get("occurrence"))
+    if expect is None:
+        return
+    started = parse_time(record.get("started"))
+    if state == "running" and expect.timeout_s and started and now - started > timedelta(seconds=expect.timeout_s):
+        status.problem("overdue", f"occurrence {record.get('occurrence') or '?'} has run for "
+                                  f"{(now - started).total_seconds():.0f}s on {record.get('node') or '?'}, "
+                                  f"longer than its timeout ({expect.timeout_s:.0f}s)",
+                       occurrence=record.get("occurrence"))
+    due = calendar.previous(list(expect.schedules), now - timedelta(seconds=expect.lag_s))
+    if due is None:
+        return
+    if record.get("occurrence"):
+        if calendar.occurrence_id(due) > str(record["occurrence"]):
+            status.problem("missed", f"occurrence {calendar.occurrence_id(due)} was claimed by no node within "
+                                     f"{expect.lag_s:.0f}s; the last claimed is {record['occurrence']}",
+                           occurrence=calendar.occurrence_id(due))
+        return
+    # Runs without --schedule (a job with concurrency > 1) record no occurrence: their start times must do.
+    starts = [t for t in [parse_time(record.get("started")), *(parse_time(h["since"]) for h in status.holders)] if t]
+    if starts and max(starts) < due:
+        status.problem("missed", f"no run started since {calendar.occurrence_id(due)} (within {expect.lag_s:.0f}s); "
+                                 f"the last started at {iso(max(starts))}", occurrence=calendar.occurrence_id(due))
+
+
+def _overdue_holders(status: JobStatus, expect: Expectations | None, now: datetime) -> None:
+    """A holder past the job's timeout, for runs that keep no occurrence record (concurrency > 1)."""
+    if expect is None or not expect.timeout_s or any(p["kind"] == "overdue" for p in status.problems):
+        return
+    for holder in status.holders:
+        since = parse_time(holder["since"])
+        if since and (now - since).total_seconds() > expect.timeout_s:
+            status.problem("overdue", f"{holder['key']} has been held by {holder['node']} for "
+                                      f"{(now - since).total_seconds():.0f}s, longer than the job's timeout "
+                                      f"({expect.timeout_s:.0f}s)")
+
+
+def _record_of(keys: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
+    if "occurrence" in keys:
+        return decoded(keys["occurrence"]) or None
+    lasts = [decoded(e).get("last") for k, e in sorted(keys.items()) if k == "lock" or k.startswith("slots/")]
+    runs = [last for last in lasts if isinstance(last, dict)]
+    return max(runs, key=lambda r: str(r.get("started") or "")) if runs else None  # the newest of the slots
+
+
+LAST_FIELDS = ("occurrence", "state", "node", "exit_status", "started", "ended", "takeover", "attempt", "reason")
+
+
+def judge_job(name: str, keys: dict[str, dict[str, Any]], manifest: Manifest | None, judge: HolderJudge,
+              now: datetime, grace_s: float) -> JobStatus:
     wanted = {job.name: job for job in manifest.jobs} if manifest else {}
+    job = wanted.get(name)
+    status = JobStatus(job=name, state="never run", in_manifest=job is not None)
+    if manifest is not None and job is None:
+        status.state = "orphaned" if keys else "unknown"
+    elif manifest is None and not keys:
+        status.state = "unknown"
+    for key, entry in sorted(keys.items()):
+        if (key == "lock" or key.startswith("slots/")) and entry.get("Session"):
+            status.holders.append(judge.holder(entry))
+    for holder in status.holders:
+        if not holder["healthy"]:
+            status.problem("unhealthy", f"held by {holder['node']} (session {holder['session']}): {holder['health']}")
+    record = _record_of(keys)
+    if record:
+        status.last = {k: record.get(k) for k in LAST_FIELDS}
+        status.last["duration_s"] = seconds_between(record.get("started"), record.get("ended"))
+    if keys and status.state == "never run":
+        status.state = "held" if status.holders else "free"
+    expect = Expectations.of(job, record, grace_s) if status.state != "orphaned" else None
+    if expect is not None:
+        status.next = iso(calendar.following(list(expect.schedules), now))
+    if record:
+        _judge_record(status, record, expect, now)
+    _overdue_holders(status, expect, now)
+    return status
+
+
+def collect(client: Client, prefix: str, manifest: Manifest | None, *, only: tuple[str, ...] = (),
+            index: int | None = None, wait_s: float | None = None, now: datetime | None = None,
+            grace_s: float = DEFAULT_GRACE_S) -> tuple[int, list[JobStatus]]:
+    """(Consul index for a blocking follow-up, one JobStatus per job); manifest jobs first, then the others.
+
+    `only` limits the answer to those jobs. Raises PermissionDenied when ACLs
+    hide anything this needs to read, NoState when there is nothing to judge.
+    """
+    base = prefix.strip("/") + "/"
+    idx, found = read_prefix(client, base, index=index, wait_s=wait_s)
+    now = now or datetime.now(timezone.utc)
+    names = [job.name for job in manifest.jobs] if manifest else []
+    names += sorted(set(found) - set(names))
+    if only:
+        names = list(only)
+    if not found and not only:
+        raise NoState(f"no job has any state under {base} in Consul"
+                      + (" (no job of the manifest has run yet?)" if manifest else " (wrong --prefix?)"), idx)
+    judge = HolderJudge(client)
     statuses = []
-    for name in list(wanted) + sorted(set(found) - set(wanted)):
-        keys = found.get(name, {})
-        status = JobStatus(job=name, state="never run", in_manifest=name in wanted)
-        if name in wanted:
-            status.next = _iso(calendar.following(list(wanted[name].schedules), now))
-        elif manifest is not None:
-            status.state = "orphaned"
-        for key, entry in sorted(keys.items()):
-            if (key == "lock" or key.startswith("slots/")) and entry.get("Session"):
-                value = decoded(entry)
-                healthy, why = session_health(client, entry["Session"])
-                status.holders.append({"key": entry["Key"], "node": value.get("node"), "since": value.get("started"),
-                                       "session": entry["Session"], "pid": value.get("pid"), "unit": value.get("unit"),
-                                       "healthy": healthy, "health": why})
-        record = decoded(keys["occurrence"]) if "occurrence" in keys else None
-        if record is None:
-            lock_values = [decoded(e) for k, e in keys.items() if k == "lock" or k.startswith("slots/")]
-            record = next((v["last"] for v in lock_values if isinstance(v.get("last"), dict)), None)
-        if record:
-            status.last = {k: record.get(k) for k in ("occurrence", "state", "node", "exit_status", "started", "ended",
-                                                      "takeover")}
-            status.last["duration_s"] = _seconds_between(record.get("started"), record.get("ended"))
-        if status.state != "orphaned" and keys:
-            status.state = "held" if status.holders else "free"
-        statuses.append(status)
+    for name in names:
+        if name not in found and found:
+            probe(client, f"{base}{name}/lock")  # listing hides per-key denials from nobody but us: ask directly
+        statuses.append(judge_job(name, found.get(name, {}), manifest, judge, now, grace_s))
+    unknown = [s.job for s in statuses if s.state == "unknown"]
+    if unknown:
+        raise NoState(f"no such job under {base}: {', '.join(unknown)}"
+                      + (" (in neither the manifest nor Consul)" if manifest else " (no state in Consul)"), idx)
     return idx, statuses
 
 
+def job_holders(client: Client, prefix: str, job: str) -> list[dict[str, Any]]:
+    """The judged holders of one job's lock (or slots); NoState if the job has no state at all."""
+    base = f"{prefix.strip('/')}/{job}/"
+    _, entries = client.kv_tree(base)
+    if not entries:
+        probe(client, base + "lock")
+        raise NoState(f"job {job!r} has no state under {prefix.strip('/')}/ in Consul: nothing to unlock "
+                      "(wrong job name or --prefix?)")
+    judge = HolderJudge(client)
+    keys = {e["Key"][len(base):]: e for e in entries}
+    return [judge.holder(e) for k, e in sorted(keys.items())
+            if (k == "lock" or k.startswith("slots/")) and e.get("Session")]
+
+
 def verdict(statuses: list[JobStatus]) -> Health:
-    if any(not h["healthy"] for s in statuses for h in s.holders):
-        return Health.HOLDER_UNHEALTHY
-    if any(s.failed() for s in statuses):
-        return Health.LAST_RUN_FAILED
-    return Health.OK
+    kinds = {s.health() for s in statuses}
+    return next((h for h in SEVERITY if h in kinds), Health.OK)
 
 
-def as_json(prefix: str, statuses: list[JobStatus], health: Health) -> dict[str, Any]:
-    return {"prefix": prefix, "verdict": health.name.lower(), "jobs": [
-        {"job": s.job, "state": s.state, "in_manifest": s.in_manifest, "holders": s.holders, "last": s.last,
-         "next": s.next} for s in statuses]}
+def as_json(prefix: str, statuses: list[JobStatus], health: Health, now: datetime) -> dict[str, Any]:
+    return {"prefix": prefix, "verdict": health.name.lower(), "checked_at": iso(now), "jobs": [
+        {"job": s.job, "state": s.state, "in_manifest": s.in_manifest, "verdict": s.health().name.lower(),
+         "problems": s.problems, "holders": s.holders, "last": s.last, "next": s.next} for s in statuses]}
 
 
-def table(statuses: list[JobStatus]) -> list[list[str]]:
-    rows = [["JOB", "STATE", "HOLDER", "SINCE", "SESSION", "HEALTH", "LAST OCCURRENCE", "LAST RESULT", "NEXT"]]
+ERROR_VERDICTS = {2: "usage_error", 6: "no_state", 69: "consul_unavailable", 70: "unexpected_answer",
+                  77: "permission_denied"}
+
+
+def error_json(prefix: str, exc: ConsulrunError, now: datetime) -> dict[str, Any]:
+    """What `status --json` prints when it could not judge: never an empty, healthy-looking answer."""
+    return {"prefix": prefix, "verdict": ERROR_VERDICTS.get(exc.exit_code, "error"), "checked_at": iso(now),
+            "error": exc.format_message(), "exit_status": int(exc.exit_code), "jobs": None}
+
+
+def table(statuses: list[JobStatus], now: datetime) -> list[list[str]]:
+    """Rows for the terminal: STATE names the worst problem when there is one, else the lock's state."""
+    from consulrun.timefmt import cell, span
+
+    rows = [["JOB", "STATE", "HOLDER", "SINCE", "HEALTH", "LAST OCCURRENCE", "LAST RESULT", "NEXT"]]
     for s in statuses:
         holder = s.holders[0] if s.holders else {}
         last = s.last or {}
         result = ""
         if last:
-            took = f" in {last['duration_s']:.0f}s" if last.get("duration_s") is not None else ""
+            took = f" in {span(last['duration_s'])}" if last.get("duration_s") is not None else ""
             code = f"exit {last['exit_status']}" if last.get("exit_status") is not None else (last.get("state") or "")
-            result = f"{code}{took} on {last.get('node') or '?'}"
-        rows.append([s.job, s.state + (f" ({len(s.holders)})" if len(s.holders) > 1 else ""),
-                     holder.get("node") or "-", holder.get("since") or "-", (holder.get("session") or "-")[:8],
-                     holder.get("health", "-") if holder else "-", last.get("occurrence") or "-", result or "-",
-                     s.next or "-"])
+            if last.get("state") in ("lost", "abandoned", "running"):
+                code = last["state"]
+            result = f"{code}{took} on {last.get('node') or '?'}" + (" (takeover)" if last.get("takeover") else "")
+        worst = s.health()
+        kind = next((p["kind"] for p in s.problems if PROBLEM_HEALTH[p["kind"]] == worst), None)
+        state = kind or s.state
+        rows.append([s.job, state + (f" ({len(s.holders)})" if len(s.holders) > 1 else ""),
+                     holder.get("node") or "-", cell(holder.get("since"), now),
+                     holder.get("health", "-") if holder else "-", cell(last.get("occurrence"), now), result or "-",
+                     cell(s.next, now)])
     return rows
+
+
+def problem_lines(statuses: list[JobStatus]) -> list[str]:
+    return [f"{s.job}: {p['kind']}: {p['detail']}" for s in statuses for p in s.problems]

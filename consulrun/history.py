@@ -1,0 +1,85 @@
+"""A job's runs across the cluster, newest first, from the records the runs leave in Consul.
+
+Each `history/<occurrence>` entry (and the live `occurrence` record) is one
+occurrence; its `earlier` list holds the attempts that were lost or abandoned
+before a takeover, so every attempt becomes one row. A run made without
+`--schedule` leaves only the lock's `last` value: it is listed as manual.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime, timezone
+from typing import Any
+
+from consulrun.consulapi import Client, decoded
+from consulrun.status import NoState, parse_time, probe, seconds_between
+
+FIELDS = ("occurrence", "attempt", "node", "started", "ended", "duration_s", "exit_status", "state", "takeover",
+          "manual", "reason")
+
+
+def _row(record: dict[str, Any], **overrides: Any) -> dict[str, Any]:
+    row = {name: record.get(name) for name in FIELDS}
+    row.update(overrides)
+    row["duration_s"] = seconds_between(row["started"], row["ended"])
+    row["takeover"] = bool(row["takeover"])
+    row["manual"] = bool(row["manual"])
+    if row["state"] is None and record.get("lost"):
+        row["state"], row["reason"] = "lost", str(record["lost"])
+    if row["state"] is None and row["ended"]:
+        row["state"] = "done"
+    return row
+
+
+def _attempts(record: dict[str, Any]) -> list[dict[str, Any]]:
+    earlier = [e for e in record.get("earlier") or [] if isinstance(e, dict)]
+    rows = [_row(e, occurrence=e.get("occurrence") or record.get("occurrence"), attempt=e.get("attempt") or n + 1)
+            for n, e in enumerate(earlier)]
+    rows.append(_row(record, attempt=record.get("attempt") or len(earlier) + 1))
+    return rows
+
+
+def runs(client: Client, prefix: str, job: str, limit: int) -> list[dict[str, Any]]:
+    """The newest `limit` runs of `job`; NoState if it has no state at all, PermissionDenied if ACLs hide any."""
+    base = f"{prefix.strip('/')}/{job}/"
+    _, entries = client.kv_tree(base)
+    if not entries:
+        probe(client, base + "occurrence")
+        raise NoState(f"job {job!r} has no state under {prefix.strip('/')}/ in Consul (wrong job name or --prefix?)")
+    keys = {e["Key"][len(base):]: e for e in entries}
+    records: dict[str, dict[str, Any]] = {}
+    for key, entry in sorted(keys.items()):
+        if key.startswith("history/"):
+            value = decoded(entry)
+            if value:
+                records[str(value.get("occurrence") or key[len("history/"):])] = value
+    current = decoded(keys.get("occurrence"))
+    if current.get("occurrence"):
+        records[str(current["occurrence"])] = current  # newer than its history entry while it runs
+    rows = [row for record in records.values() for row in _attempts(record)]
+    sessions = {r.get("session") for record in records.values() for r in [record, *(record.get("earlier") or [])]
+                if isinstance(r, dict)}
+    for key, entry in sorted(keys.items()):
+        last = decoded(entry).get("last") if key == "lock" or key.startswith("slots/") else None
+        if isinstance(last, dict) and last.get("session") not in sessions:
+            rows.append(_row(last, manual=True))  # a run without --schedule: no occurrence record
+    rows.sort(key=lambda r: (parse_time(r["started"]) or datetime.min.replace(tzinfo=timezone.utc),
+                             r["attempt"] or 0), reverse=True)
+    return rows[:limit]
+
+
+def table(rows: list[dict[str, Any]], now: datetime) -> list[list[str]]:
+    from consulrun.timefmt import cell, span
+
+    out = [["OCCURRENCE", "ATTEMPT", "NODE", "STARTED", "DURATION", "RESULT", "NOTE"]]
+    for r in rows:
+        if r["state"] in ("lost", "abandoned", "running"):
+            result = r["state"]
+        else:
+            result = f"exit {r['exit_status']}" if r["exit_status"] is not None else (r["state"] or "?")
+        notes = [n for n, on in (("takeover", r["takeover"]), ("manual", r["manual"])) if on]
+        if r["reason"]:
+            notes.append(str(r["reason"]))
+        out.append([r["occurrence"] or "-", str(r["attempt"] or "-"), r["node"] or "?", cell(r["started"], now),
+                    span(r["duration_s"]) if r["duration_s"] is not None else "-", result, "; ".join(notes) or "-"])
+    return out

@@ -1,0 +1,67 @@
+"""Is a lock holder's wrapper process provably dead? Only its own node can tell.
+
+The holder value names the wrapper's pid, its start time (field 22 of
+/proc/<pid>/stat, clock ticks since boot) and the machine's boot id. A pid is
+reused, a (boot id, pid, start time) triple is not: on the same boot of the
+same node, a missing /proc/<pid> or another start time means the wrapper is
+gone, whatever its session still says. A holder value may also name the
+wrapper's pid namespace (`pid_ns`, as /proc/self/ns/pid reads); if it does
+and it is not ours, its pid cannot be looked up here.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+BOOT_ID_PATH = "/proc/sys/kernel/random/boot_id"
+
+
+def boot_id() -> str | None:
+    try:
+        with open(BOOT_ID_PATH, encoding="ascii") as handle:
+            return handle.read().strip() or None
+    except OSError:
+        return None
+
+
+def pid_namespace() -> str | None:
+    """This process's pid namespace (`pid:[4026531836]`): a pid means something only inside its namespace."""
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return None
+
+
+def process_start(pid: int) -> int | None:
+    """Start time of `pid` in clock ticks since boot, or None if there is no such live process (zombies are dead)."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="utf-8", errors="replace") as handle:
+            stat = handle.read()
+    except OSError:
+        return None
+    # comm (field 2) may hold spaces and parentheses: count fields after the last ')'; state is field 3.
+    fields = stat.rsplit(")", 1)[-1].split()
+    if not fields or fields[0] in ("Z", "X"):
+        return None
+    try:
+        return int(fields[22 - 3])
+    except (IndexError, ValueError):
+        return None
+
+
+def provably_dead(holder: dict[str, Any], local_node: str | None) -> str | None:
+    """Why the holder's wrapper is certainly dead, or None if that cannot be proven from here."""
+    pid, started, booted = holder.get("pid"), holder.get("pid_start"), holder.get("boot_id")
+    if local_node is None or holder.get("node") != local_node or not isinstance(pid, int) or pid <= 0:
+        return None
+    if not isinstance(started, int) or not booted or booted != boot_id():
+        return None
+    if holder.get("pid_ns") and holder["pid_ns"] != pid_namespace():  # optional field: another namespace's pid
+        return None
+    now_started = process_start(pid)
+    if now_started is None:
+        return f"its wrapper process (pid {pid}) on this node has exited"
+    if now_started != started:
+        return f"its wrapper process (pid {pid}) on this node has exited; the pid now belongs to another process"
+    return None

@@ -1,0 +1,44 @@
+"""Times for people at 3 a.m.: local clock time and how long ago (or how soon), e.g. `02:00:00 (3h ago)`.
+
+JSON keeps absolute UTC; only tables use these.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any
+
+
+def span(seconds: float) -> str:
+    """A duration in its largest sensible unit: 42s, 7m, 3h, 2d."""
+    seconds = abs(seconds)
+    if seconds < 90:
+        return f"{seconds:.0f}s"
+    if seconds < 90 * 60:
+        return f"{seconds / 60:.0f}m"
+    if seconds < 36 * 3600:
+        return f"{seconds / 3600:.0f}h"
+    return f"{seconds / 86400:.0f}d"
+
+
+def relative(when: datetime, now: datetime) -> str:
+    delta = (when - now).total_seconds()
+    if abs(delta) < 1:
+        return "now"
+    return f"in {span(delta)}" if delta > 0 else f"{span(delta)} ago"
+
+
+def local(when: datetime, now: datetime) -> str:
+    """Clock time in the local zone; the date too when it is not today."""
+    mine, today = when.astimezone(), now.astimezone()
+    return mine.strftime("%H:%M:%S") if mine.date() == today.date() else mine.strftime("%Y-%m-%d %H:%M")
+
+
+def cell(text: Any, now: datetime) -> str:
+    """An ISO time from Consul as `local (relative)`, or `-`; text that is not a time is shown as it is."""
+    from consulrun.status import parse_time
+
+    if not text:
+        return "-"
+    when = parse_time(text)
+    return f"{local(when, now)} ({relative(when, now)})" if when else str(text)
