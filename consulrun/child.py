@@ -71,23 +71,6 @@ def descendants(root: int | None = None) -> list[int]:
     return found
 
 
-def process_start(pid: int) -> int | None:
-    """Field 22 of /proc/PID/stat (start time in clock ticks since boot): with the pid, names one process."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as handle:
-            return int(handle.read().rsplit(b")", 1)[1].split()[19])
-    except (OSError, IndexError, ValueError):
-        return None
-
-
-def boot_id() -> str | None:
-    try:
-        with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as handle:
-            return handle.read().strip()
-    except OSError:
-        return None
-
-
 class Job:
     """A started job: its process group id is its pid; every other descendant of the wrapper is its too."""
 

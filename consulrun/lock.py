@@ -23,7 +23,7 @@ from datetime import datetime, timezone
 from typing import Any, Callable
 
 from consulrun import __version__, testhook
-from consulrun.child import boot_id, process_start
+from consulrun.procinfo import boot_id, pid_namespace, process_start, provably_dead
 from consulrun.consulapi import Client, SessionInvalid, decoded, kv_op
 from consulrun.errors import ConsulrunError, UsageError
 from consulrun.fencing import Fencing
@@ -104,28 +104,6 @@ def describe_holder(entry: dict[str, Any]) -> str:
     return f"{node} (pid {value.get('pid', '?')}, since {value.get('started', '?')}, session {entry.get('Session')})"
 
 
-def pid_namespace() -> int | None:
-    try:
-        return os.stat("/proc/self/ns/pid").st_ino
-    except OSError:
-        return None
-
-
-def holder_is_dead_here(value: dict[str, Any]) -> bool:
-    """True when the holder value names a wrapper in this machine's boot and pid namespace whose process is gone.
-
-    Containers share the kernel's boot id, so the pid namespace must match too;
-    the pid alone could be reused, the pid with its start time names one process.
-    The caller also checks the holder's Consul node is ours.
-    """
-    pid, started = value.get("pid"), value.get("pid_start")
-    if not isinstance(pid, int) or not isinstance(started, int):
-        return False
-    if value.get("boot_id") != boot_id() or value.get("pid_ns") != pid_namespace():
-        return False
-    return process_start(pid) != started
-
-
 class Locker:
     """Acquires one of the job's lock keys for this node, or says who holds them.
 
@@ -151,8 +129,8 @@ class Locker:
 
     def _holder_value(self) -> dict[str, Any]:
         value = {"job": self.spec.job, "node": self.node, "host": socket.gethostname(), "pid": os.getpid(),
-                 "pid_start": process_start(os.getpid()), "boot_id": boot_id(), "pid_ns": pid_namespace(), "unit": _systemd_unit(),
-                 "invocation_id": os.environ.get("INVOCATION_ID"), "started": now_iso(), "session": self.session,
+                 "pid_start": process_start(os.getpid()), "boot_id": boot_id(), "pid_ns": pid_namespace(),
+                 "unit": _systemd_unit(), "invocation_id": os.environ.get("INVOCATION_ID"), "started": now_iso(), "session": self.session,
                  "consulrun_version": __version__}
         return {k: v for k, v in value.items() if v is not None}
 
@@ -207,9 +185,12 @@ class Locker:
         reaped = False
         for entry in entries.values():
             value = decoded(entry)
-            if entry.get("Session") and holder_is_dead_here(value) and value.get("node") == self.node_name():
-                log.warning("%s: the holder on this node (pid %s, session %s) is gone; destroying its session",
-                            self.spec.job, value.get("pid"), entry["Session"])
+            if not entry.get("Session") or value.get("boot_id") != boot_id():  # another machine: cannot tell
+                continue
+            dead = provably_dead(value, self.node_name())
+            if dead:
+                log.warning("%s: the holder's session %s lives on but %s; destroying the session", self.spec.job,
+                            entry["Session"], dead)
                 self.client.session_destroy(entry["Session"])
                 reaped = True
         return reaped

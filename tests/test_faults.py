@@ -382,7 +382,7 @@ def test_sigkilled_wrappers_occurrence_is_taken_over_within_lock_delay(consul: A
     wait_for(second.exists, 15, "the standby to take the occurrence over")
     code, _, err = finish(standby)
     assert code == 0, err
-    assert "is gone; destroying its session" in err
+    assert "has exited; destroying the session" in err
     record = kv_json(consul, "consulrun/oom/occurrence")
     assert record["attempt"] == 2 and record["earlier"][0]["state"] == "abandoned"
     assert sessions(consul) == []
