@@ -130,8 +130,8 @@ class Locker:
     def _holder_value(self) -> dict[str, Any]:
         value = {"job": self.spec.job, "node": self.node, "host": socket.gethostname(), "pid": os.getpid(),
                  "pid_start": process_start(os.getpid()), "boot_id": boot_id(), "pid_ns": pid_namespace(),
-                 "unit": _systemd_unit(), "invocation_id": os.environ.get("INVOCATION_ID"), "started": now_iso(), "session": self.session,
-                 "consulrun_version": __version__}
+                 "unit": _systemd_unit(), "invocation_id": os.environ.get("INVOCATION_ID"), "started": now_iso(),
+                 "session": self.session, "consulrun_version": __version__}
         return {k: v for k, v in value.items() if v is not None}
 
     def node_name(self) -> str:
