@@ -60,7 +60,7 @@ def main() -> None:
 
 
 @main.command()
-@click.argument("manifest", type=click.Path(dir_okay=False, path_type=Path))
+@click.argument("manifest", type=click.Path(allow_dash=True, path_type=Path))
 @click.option("-o", "--output", "output", required=True, metavar="DIR",
               help="Folder to write the units into, or - to print them.")
 @click.option("--check", is_flag=True, help="Change nothing; print a diff and exit 1 if DIR is out of date.")
@@ -173,7 +173,7 @@ def _setup_logging() -> None:
 
 
 @main.command()
-@click.argument("manifest", type=click.Path(dir_okay=False, allow_dash=True, path_type=Path))
+@click.argument("manifest", type=click.Path(allow_dash=True, path_type=Path))
 @click.option("--root", type=click.Path(file_okay=False, path_type=Path),
               help="Install into this root file system (offline: units are enabled, nothing is started).")
 @click.option("--unit-dir", type=click.Path(path_type=Path), default=Path("/etc/systemd/system"), show_default=True,
@@ -324,7 +324,7 @@ def unlock(job: str, prefix: str, yes: bool, force: bool, **consul: str | None) 
 
 
 @main.command("acl-policy")
-@click.argument("manifest", required=False, type=click.Path(dir_okay=False, path_type=Path))
+@click.argument("manifest", required=False, type=click.Path(allow_dash=True, path_type=Path))
 @click.option("--prefix", default=None, help="KV prefix [default: the manifest's kv_prefix, else consulrun].")
 def acl_policy(manifest: Path | None, prefix: str | None) -> None:
     """Print the least-privilege Consul ACL policy (HCL) the nodes need."""

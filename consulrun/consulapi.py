@@ -11,7 +11,6 @@ import base64
 import json
 import logging
 import os
-import urllib.parse
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -22,7 +21,7 @@ import consul.callback
 import requests
 import requests.adapters
 
-from consulrun.errors import ConsulProtocolError, ConsulUnavailable, PermissionDenied, UsageError
+from consulrun.errors import ConsulProtocolError, ConsulUnavailable, PermissionDenied, UsageError, os_reason
 
 
 def _truthy(value: str | None) -> bool | None:
@@ -64,17 +63,17 @@ class ConsulConfig:
         return cls(**values)
 
     def endpoint(self) -> tuple[str, str, int]:
-        """(scheme, host, port); CONSUL_HTTP_SSL decides the scheme when the address has none."""
-        text = self.address if "://" in self.address else f"//{self.address}"
-        parts = urllib.parse.urlsplit(text)
+        """(scheme, host, port), an IPv6 host in brackets; CONSUL_HTTP_SSL decides the scheme when the address has none."""
+        from consulrun.address import AddressError, parse_address
+
         try:
-            port = parts.port
-        except ValueError:
-            port = None
-        if not parts.hostname or (parts.scheme not in ("", "http", "https")):
-            raise UsageError(f"Consul address {self.address!r} is not [http[s]://]host[:port]")
-        scheme = parts.scheme or ("https" if self.ssl else "http")
-        return scheme, parts.hostname, port or (8501 if scheme == "https" else 8500)
+            where = parse_address(self.address, self.ssl)
+        except AddressError as exc:
+            raise UsageError(f"Consul address {exc}") from None
+        if where.socket_path:
+            raise UsageError(f"Consul address {self.address!r}: unix sockets are not supported by this client yet; "
+                             "use the agent's HTTP address")
+        return where.scheme, where.host, where.port
 
     def resolved_token(self) -> str | None:
         if self.token:
@@ -87,7 +86,7 @@ class ConsulConfig:
                             "Consul token file %s is readable by others; make it mode 0600", self.token_file)
                     return handle.read().strip() or None
             except OSError as exc:
-                raise UsageError(f"cannot read Consul token file {self.token_file}: {exc.strerror}") from None
+                raise UsageError(f"Consul token file {self.token_file}: {os_reason(exc)}") from None
         return None
 
 

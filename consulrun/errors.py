@@ -8,6 +8,7 @@ where a meaning matches, so they stay clear of the small codes jobs use.
 from __future__ import annotations
 
 import enum
+import errno
 
 import click
 
@@ -67,3 +68,13 @@ class OutputError(ConsulrunError):
 
 class JobNotStarted(ConsulrunError):
     exit_code = ExitCode.JOB_NOT_STARTED
+
+
+_REASONS = {errno.ENOENT: "no such file", errno.EISDIR: "is a directory", errno.ENOTDIR: "not a directory",
+            errno.EACCES: "permission denied", errno.EPERM: "permission denied", errno.ENOSPC: "no space left on device",
+            errno.EROFS: "read-only file system", errno.EPIPE: "broken pipe", errno.EIO: "input/output error"}
+
+
+def os_reason(exc: OSError) -> str:
+    """A short, lower-case reason for an OS error (`no such file`), without Python's `[Errno 2] ...: 'x'`."""
+    return _REASONS.get(exc.errno or 0) or (exc.strerror or str(exc)).lower()
