@@ -11,6 +11,7 @@ import base64
 import json
 import logging
 import os
+import socket
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -20,6 +21,9 @@ import consul
 import consul.callback
 import requests
 import requests.adapters
+import urllib3
+import urllib3.connection
+import urllib3.exceptions
 
 from consulrun.errors import ConsulProtocolError, ConsulUnavailable, PermissionDenied, UsageError, os_reason
 
@@ -62,8 +66,12 @@ class ConsulConfig:
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)
 
-    def endpoint(self) -> tuple[str, str, int]:
-        """(scheme, host, port), an IPv6 host in brackets; CONSUL_HTTP_SSL decides the scheme when the address has none."""
+    def endpoint(self, allow_unix: bool = False) -> tuple[str, str, int]:
+        """(scheme, host, port), an IPv6 host in brackets; CONSUL_HTTP_SSL decides the scheme when the address has none.
+
+        A unix socket address gives ("http", "localhost", 80) only to a caller
+        that says it routes requests through `UnixSocketAdapter(socket_path)`.
+        """
         from consulrun.address import AddressError, parse_address
 
         try:
@@ -71,9 +79,21 @@ class ConsulConfig:
         except AddressError as exc:
             raise UsageError(f"Consul address {exc}") from None
         if where.socket_path:
-            raise UsageError(f"Consul address {self.address!r}: unix sockets are not supported by this client yet; "
-                             "use the agent's HTTP address")
+            if not allow_unix:
+                raise UsageError(f"Consul address {self.address!r}: this client cannot use a unix socket yet; "
+                                 "give the agent's HTTP address")
+            return "http", "localhost", 80
         return where.scheme, where.host, where.port
+
+    @property
+    def socket_path(self) -> str | None:
+        """The agent's unix socket for a `unix:///path` address, else None."""
+        from consulrun.address import AddressError, parse_address
+
+        try:
+            return parse_address(self.address, self.ssl).socket_path
+        except AddressError:
+            return None
 
     def resolved_token(self) -> str | None:
         if self.token:
@@ -161,6 +181,43 @@ class _ServerNameAdapter(requests.adapters.HTTPAdapter):
         kwargs["server_hostname"] = self.server_name
         kwargs["assert_hostname"] = self.server_name
         super().init_poolmanager(*args, **kwargs)
+
+
+class _UnixSocketConnection(urllib3.connection.HTTPConnection):
+    """An HTTP connection to a unix socket (CONSUL_HTTP_ADDR=unix:///path), the host name being only a label."""
+
+    socket_path = ""
+
+    def _new_conn(self) -> socket.socket:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(self.timeout if isinstance(self.timeout, (int, float)) else None)
+        try:
+            sock.connect(self.socket_path)
+        except OSError as exc:
+            sock.close()
+            raise urllib3.exceptions.NewConnectionError(self, f"{self.socket_path}: {exc.strerror}") from exc
+        return sock
+
+
+class UnixSocketAdapter(requests.adapters.HTTPAdapter):
+    """Send a session's http:// requests to the agent's unix socket; mount it on the Client's session.
+
+    Timeouts, retries and error types stay requests' own, so `translated`
+    reports a missing socket as "Consul agent not reachable", exit 69.
+    """
+
+    def __init__(self, socket_path: str) -> None:
+        super().__init__()
+        self._connection = type("_Connection", (_UnixSocketConnection,), {"socket_path": socket_path})
+
+    def get_connection_with_tls_context(self, request: Any, verify: Any, proxies: Any = None,
+                                        cert: Any = None) -> urllib3.HTTPConnectionPool:
+        pool = urllib3.HTTPConnectionPool("localhost")
+        pool.ConnectionCls = self._connection
+        return pool
+
+    def request_url(self, request: Any, proxies: Any) -> str:
+        return request.path_url
 
 
 class Client:

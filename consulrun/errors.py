@@ -65,6 +65,12 @@ class PermissionDenied(ConsulrunError):
 class OutputError(ConsulrunError):
     exit_code = ExitCode.IO
 
+    def show(self, file=None) -> None:  # noqa: ANN001 - click's signature
+        try:
+            super().show(file)
+        except OSError:  # stderr is gone too (`2>&1 | head`): the exit status still says it
+            pass
+
 
 class JobNotStarted(ConsulrunError):
     exit_code = ExitCode.JOB_NOT_STARTED
@@ -78,3 +84,13 @@ _REASONS = {errno.ENOENT: "no such file", errno.EISDIR: "is a directory", errno.
 def os_reason(exc: OSError) -> str:
     """A short, lower-case reason for an OS error (`no such file`), without Python's `[Errno 2] ...: 'x'`."""
     return _REASONS.get(exc.errno or 0) or (exc.strerror or str(exc)).lower()
+
+
+class BrokenPipe(OutputError):
+    """Standard output's reader went away (`| head -1`): exit 74 without a word, as there is no one to read it."""
+
+    def __init__(self) -> None:
+        super().__init__("broken pipe")
+
+    def show(self, file=None) -> None:  # noqa: ANN001 - click's signature
+        pass
