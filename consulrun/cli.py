@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from consulrun import __version__
-from consulrun.durations import LOCK_DELAY_RANGE_MS, TTL_RANGE_MS
+from consulrun.durations import LOCK_DELAY_RANGE_MS, TTL_RANGE_MS, range_text
 from consulrun.errors import BrokenPipe, ConsulrunError, ExitCode, OutputError, UsageError, os_reason
 from consulrun.options import Duration, Folder, KvPrefix, consul_config, consul_options
 from consulrun.schema import name_problem, schedule_problem
@@ -153,9 +153,9 @@ def _read_manifest(manifest: Path) -> tuple["Manifest", str]:
 @main.command(context_settings={"allow_interspersed_args": False})
 @click.option("--prefix", type=KvPrefix(), default="consulrun", show_default=True,
               help="KV prefix; the job's keys are <prefix>/<JOB>/.")
-@click.option("--ttl", type=Duration(TTL_RANGE_MS), default="15s", show_default=True, help="Session TTL (10s to 24h).")
+@click.option("--ttl", type=Duration(TTL_RANGE_MS), default="15s", show_default=True, help=f"Session TTL ({range_text(TTL_RANGE_MS)}).")
 @click.option("--lock-delay", type=Duration(LOCK_DELAY_RANGE_MS), default="15s", show_default=True,
-              help="Consul lock-delay (5s to 60s). The job is killed within this long of losing touch with Consul.")
+              help=f"Consul lock-delay ({range_text(LOCK_DELAY_RANGE_MS)}). The job is killed within this long of losing touch with Consul.")
 @click.option("--check", "checks", multiple=True, metavar="ID",
               help="Extra node or service check bound to the session (repeatable); serfHealth is always bound.")
 @click.option("--wait", type=Duration(), default="0s", show_default=True,
@@ -184,6 +184,7 @@ def run(job: str, command: tuple[str, ...], prefix: str, ttl: int, lock_delay: i
 
     Options go before JOB; everything after it is the command. Durations are
     written as systemd writes them (500ms, 15s, 1m30s, 10 min, 1h 30min).
+
     The job gets CONSULRUN_JOB, CONSULRUN_SESSION, CONSULRUN_LOCK_KEY and
     CONSULRUN_FENCING_TOKEN (grows with every acquisition) in its environment.
     Its own exit status is passed through. If the lock cannot be confirmed,

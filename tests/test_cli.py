@@ -181,3 +181,59 @@ def test_closed_pipe_exits_74_quietly_for_every_command(manifest: Path) -> None:
         finally:
             os.close(write_end)
         assert (result.returncode, result.stderr) == (74, ""), args
+
+
+# --- documentation a sysadmin expects ----------------------------------------------------------------------------
+
+README = (REPO / "README.md").read_text()
+VENV_BIN = str(Path(sys.prefix) / "bin")
+
+
+@pytest.mark.parametrize("shell, registered", [("bash", "complete -o nosort -F _consulrun_completion consulrun"),
+                                                ("zsh", "compdef _consulrun_completion consulrun"),
+                                                ("fish", "complete --no-files --command consulrun")])
+def test_readme_completion_line_enables_completion(shell: str, registered: str) -> None:
+    lines = [line.split("#")[0].strip() for line in README.splitlines() if "_CONSULRUN_COMPLETE=" in line
+             and f"{shell}_source" in line]
+    assert len(lines) == 1, f"README must give one line for {shell}"
+    env = {**os.environ, "PATH": f"{VENV_BIN}:{os.environ['PATH']}"}
+    command = lines[0].replace(" | source", "").replace('eval "$(', "").rstrip(')"')
+    script = subprocess.run(["sh", "-c", command], capture_output=True, text=True, env=env, timeout=60)
+    assert script.returncode == 0 and registered in script.stdout, script.stderr
+    if shell == "bash":  # and bash really takes it: the function is registered for consulrun
+        shown = subprocess.run(["bash", "-c", f"{lines[0]}\ncomplete -p consulrun"], capture_output=True, text=True,
+                               env=env, timeout=60)
+        assert shown.stdout.strip() == registered, shown.stderr
+
+
+def test_man_pages_are_built_from_the_help_by_the_documented_command(tmp_path: Path) -> None:
+    documented = [line for line in README.splitlines() if "python -m consulrun.manpage" in line]
+    assert documented, "README must say how to build the man pages"
+    result = subprocess.run([sys.executable, "-m", "consulrun.manpage", str(tmp_path)], capture_output=True, text=True,
+                            env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=60)
+    assert result.returncode == 0, result.stderr
+    names = {"consulrun.1"} | {f"consulrun-{name}.1" for name in main.commands}
+    assert {p.name for p in tmp_path.iterdir()} == names
+    for page in sorted(tmp_path.iterdir()):
+        shown = subprocess.run(["man", "--warnings", "-l", str(page)], capture_output=True, text=True, timeout=60,
+                               env={**os.environ, "MANWIDTH": "100"})
+        assert (shown.returncode, shown.stderr) == (0, ""), page
+    main_page = subprocess.run(["man", "-l", str(tmp_path / "consulrun.1")], capture_output=True, text=True,
+                               env={**os.environ, "MANWIDTH": "100"}).stdout
+    assert "EXIT STATUS" in main_page and "74  writing output failed" in main_page
+    run_page = (tmp_path / "consulrun-run.1").read_text()
+    assert r"\-\-ttl" in run_page and "EXIT STATUS" in run_page
+
+
+def test_units_documentation_points_at_our_man_pages(tmp_path: Path) -> None:
+    import re
+
+    from consulrun.manifest import parse_manifest
+    from consulrun.render import render
+
+    units = render(parse_manifest(MANIFEST, "jobs.yaml"), "/x/consulrun")
+    refs = {ref for text in units.values() for line in text.splitlines() if line.startswith("Documentation=")
+            for ref in line.split("=", 1)[1].split()}
+    assert refs == {"man:consulrun(1)", "man:consulrun-run(1)"}
+    pages = {re.fullmatch(r"man:(.+)\(1\)", ref).group(1) for ref in refs}  # type: ignore[union-attr]
+    assert all(name == "consulrun" or name.split("-", 1)[1] in main.commands for name in pages)
