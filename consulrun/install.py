@@ -179,7 +179,7 @@ def install_local(manifest: Manifest, *, root: Path | None, unit_dir: Path, dry_
     check_consulrun(root / consulrun_path.lstrip("/") if root else Path(consulrun_path), check_version=root is None)
     the_plan = plan(units, target, manifest.unit_prefix)
     report = Report()
-    if root is None:  # a dry run is the time to hear that no agent answers, too
+    if root is None and (dry_run or not the_plan.empty):  # a dry run is the time to hear it, too
         report.warnings += agent_warnings(manifest.consul.address)
     if dry_run:
         report.diff.append(the_plan.diff())

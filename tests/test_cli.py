@@ -237,3 +237,19 @@ def test_units_documentation_points_at_our_man_pages(tmp_path: Path) -> None:
     assert refs == {"man:consulrun(1)", "man:consulrun-run(1)"}
     pages = {re.fullmatch(r"man:(.+)\(1\)", ref).group(1) for ref in refs}  # type: ignore[union-attr]
     assert all(name == "consulrun" or name.split("-", 1)[1] in main.commands for name in pages)
+
+
+def test_readme_first_command_prints_units_with_their_file_names() -> None:
+    first = README.split("```sh\n", 1)[1].split("```", 1)[0].strip()
+    invocation = first.split("&&")[-1].split()
+    assert invocation[0] == ".venv/bin/consulrun", first
+    consulrun = Path(VENV_BIN) / "consulrun"
+    result = subprocess.run([str(consulrun), *invocation[1:]], capture_output=True, text=True, cwd=REPO, timeout=60)
+    assert result.returncode == 0, result.stderr
+    names = [line[len("# --- "):] for line in result.stdout.splitlines() if line.startswith("# --- ")]
+    assert names == ["consulrun-billing-report.service", "consulrun-billing-report.timer",
+                     "consulrun-cache-warm.service", "consulrun-cache-warm.timer"]
+    # As README says: the units call this venv's consulrun, by absolute path, unless --consulrun-path is given.
+    execs = [line for line in result.stdout.splitlines() if line.startswith("ExecStart=")]
+    assert execs and all(line.startswith(f"ExecStart={consulrun} run ") for line in execs)
+    assert "calls\nthe consulrun of this venv" in README or "the consulrun of this venv" in README.replace("\n", " ")
