@@ -230,13 +230,14 @@ def _setup_logging() -> None:
 @main.command()
 @click.argument("manifest", type=click.Path(allow_dash=True, path_type=Path))
 @click.option("--root", type=click.Path(file_okay=False, path_type=Path),
-              help="Install into this root file system (offline: units are enabled, nothing is started).")
+              help="Install into this root file system (offline: units are enabled, nothing is started); "
+                   "with --host, a folder on each node.")
 @click.option("--unit-dir", type=click.Path(path_type=Path), default=Path("/etc/systemd/system"), show_default=True,
               help="Unit folder (inside --root if given).")
 @click.option("--dry-run", is_flag=True, help="Print the diff and the systemctl actions; change nothing.")
 @click.option("--no-start", is_flag=True, help="Enable the timers but do not start them.")
 @click.option("--templates", type=Folder(),
-              help="Folder with service.j2 and/or timer.j2 overriding the shipped templates (not with --host).")
+              help="Folder with service.j2 and/or timer.j2 overriding the shipped templates (sent along with --host).")
 @click.option("--consulrun-path", default=_default_consulrun_path, show_default="this consulrun",
               help="Absolute path of consulrun on the node(s), as units call it.")
 @click.option("--host", "hosts", multiple=True, metavar="NODE",
@@ -245,9 +246,11 @@ def _setup_logging() -> None:
               help="File with one NODE per line (# comments allowed).")
 @click.option("--ssh-option", "ssh_options", multiple=True, metavar="OPT", help="Passed to ssh as -o OPT (repeatable).")
 @click.option("--parallel", type=click.IntRange(1, 256), default=10, show_default=True, help="Nodes at a time.")
+@click.option("--stdin-bundle", is_flag=True, hidden=True,
+              help="Standard input is the JSON bundle `install --host --templates` sends: manifest and templates.")
 def install(manifest: Path, root: Path | None, unit_dir: Path, dry_run: bool, no_start: bool, templates: Path | None,
             consulrun_path: str, hosts: tuple[str, ...], hosts_file: Path | None,
-            ssh_options: tuple[str, ...], parallel: int) -> None:
+            ssh_options: tuple[str, ...], parallel: int, stdin_bundle: bool) -> None:
     """Install MANIFEST's units on this node, or on each --host over ssh.
 
     Writes only units it generated (a foreign file with one of their names is
@@ -256,25 +259,47 @@ def install(manifest: Path, root: Path | None, unit_dir: Path, dry_run: bool, no
     with the same manifest changes nothing. If anything fails, the previous
     units are put back. MANIFEST may be - (standard input).
     """
-    from consulrun.remote import read_hosts
+    from consulrun.remote import make_bundle, read_hosts
 
+    if stdin_bundle:
+        _install_bundle(manifest, root=root, unit_dir=unit_dir, dry_run=dry_run, no_start=no_start,
+                        consulrun_path=consulrun_path)
+        return
     loaded, text = _read_manifest(manifest)
     targets = read_hosts(hosts, hosts_file) if hosts or hosts_file else None
     if targets is not None:
-        # Only the manifest travels to the nodes: an option that names a local folder would be dropped silently.
-        for name, value in (("--templates", templates), ("--root", root)):
-            if value is not None:
-                raise UsageError(f"{name} cannot be combined with --host/--hosts-file: only the manifest is sent "
-                                 f"to the nodes, so {name} {value} would be ignored there")
         if not targets.names:
             raise UsageError(f"--hosts-file: {hosts_file}: names no host")
         for host in targets.duplicates:
             click.echo(f"warning: {host} is listed more than once; installing there once", err=True)
         flags = (["--dry-run"] if dry_run else []) + (["--no-start"] if no_start else []) + \
-            ["--unit-dir", str(unit_dir), "--consulrun-path", consulrun_path]
+            (["--root", str(root)] if root else []) + ["--unit-dir", str(unit_dir), "--consulrun-path", consulrun_path]
+        if templates is not None:  # the override templates go along with the manifest, on standard input
+            text = make_bundle(text, templates)
+            flags.append("--stdin-bundle")
         _install_remote(targets.names, text, [consulrun_path, "install", "-", *flags], list(ssh_options), parallel,
                         dry_run)
         return
+    _print_report(loaded, root=root, unit_dir=unit_dir, dry_run=dry_run, no_start=no_start, templates=templates,
+                  consulrun_path=consulrun_path)
+
+
+def _install_bundle(manifest: Path, **options: Any) -> None:
+    """The node's side of `install --host --templates`: templates into a private folder, then the local install."""
+    import tempfile
+
+    from consulrun.manifest import parse_manifest
+    from consulrun.remote import open_bundle
+
+    if str(manifest) != "-":
+        raise UsageError("--stdin-bundle reads standard input: give MANIFEST as -")
+    with tempfile.TemporaryDirectory(prefix="consulrun-templates-") as folder:
+        text = open_bundle(sys.stdin.read(), Path(folder))
+        _print_report(parse_manifest(text, "<stdin>"), templates=Path(folder), **options)
+
+
+def _print_report(loaded: "Manifest", *, root: Path | None, unit_dir: Path, dry_run: bool, no_start: bool,
+                  templates: Path | None, consulrun_path: str) -> None:
     from consulrun.install import install_local
 
     report = install_local(loaded, root=root, unit_dir=unit_dir, dry_run=dry_run, start=not no_start,

@@ -15,6 +15,7 @@ hands them to that shell.
 
 from __future__ import annotations
 
+import json
 import re
 import shlex
 import subprocess
@@ -137,3 +138,43 @@ def install_all(hosts: list[str], manifest_text: str, remote_argv: list[str], ss
     with ThreadPoolExecutor(max_workers=max(1, parallel)) as pool:
         list(pool.map(one, hosts))
     return [results[h] for h in hosts]
+
+
+# --- what crosses when override templates go along ------------------------------------------------------------
+
+_TEMPLATE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*\.j2")
+_BUNDLE_MAX = 4 * 1024 * 1024
+
+
+def make_bundle(manifest_text: str, templates: Path) -> str:
+    """The manifest and the folder's `*.j2` templates as one JSON document for `install - --stdin-bundle`."""
+    files: dict[str, str] = {}
+    try:
+        for path in sorted(templates.iterdir()):
+            if path.is_file() and _TEMPLATE_NAME.fullmatch(path.name):
+                files[path.name] = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise UsageError(f"--templates: {getattr(exc, 'filename', None) or templates}: {os_reason(exc)}") from None
+    except UnicodeDecodeError:
+        raise UsageError(f"--templates: {templates}: a template is not UTF-8 text") from None
+    if not files:
+        raise UsageError(f"--templates: {templates}: holds no *.j2 template")
+    bundle = json.dumps({"manifest": manifest_text, "templates": files}, sort_keys=True)
+    if len(bundle) > _BUNDLE_MAX:
+        raise UsageError(f"--templates: {templates}: manifest and templates exceed {_BUNDLE_MAX // 1024 // 1024} MiB")
+    return bundle
+
+
+def open_bundle(raw: str, folder: Path) -> str:
+    """Write a bundle's templates into `folder`; return its manifest text. The bundle is checked like any input."""
+    try:
+        data = json.loads(raw)
+    except ValueError:
+        raise UsageError("--stdin-bundle: standard input is not a JSON bundle") from None
+    if not (isinstance(data, dict) and isinstance(data.get("manifest"), str) and isinstance(data.get("templates"), dict)):
+        raise UsageError("--stdin-bundle: the bundle needs a 'manifest' text and a 'templates' mapping")
+    for name, text in data["templates"].items():
+        if not (isinstance(name, str) and _TEMPLATE_NAME.fullmatch(name) and isinstance(text, str)):
+            raise UsageError(f"--stdin-bundle: {str(name)[:80]!r} is not a template name (NAME.j2) with text")
+        (folder / name).write_text(text, encoding="utf-8")
+    return data["manifest"]

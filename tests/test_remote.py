@@ -131,11 +131,21 @@ def test_ssh_gets_the_host_after_double_dash_and_one_quoted_command() -> None:
     assert remote_command(["a b", "$HOME", "it's"]) == "'a b' '$HOME' 'it'\"'\"'s'"
 
 
-@pytest.mark.parametrize("option", [["--templates", "."], ["--root", "/mnt/image"]])
-def test_local_only_options_with_host_are_refused(option: list[str], manifest: Path) -> None:
-    code, _, err = _install(str(manifest), "--host", "node1", *option)
-    assert code == 2
-    assert err.startswith(f"Error: {option[0]} cannot be combined with --host")
+@pytest.mark.parametrize("bundle, why", [("not json", "is not a JSON bundle"),
+                                         ('{"manifest": "x"}', "needs a 'manifest' text and a 'templates' mapping"),
+                                         ('{"manifest": "x", "templates": {"../evil.j2": "x"}}', "'../evil.j2'"),
+                                         ('{"manifest": "x", "templates": {"timer.j2": 5}}', "'timer.j2'")])
+def test_a_bad_bundle_is_refused(bundle: str, why: str, tmp_path: Path) -> None:
+    code, _, err = _install("-", "--stdin-bundle", "--dry-run", "--unit-dir", str(tmp_path), stdin=bundle)
+    assert code == 2 and err.startswith("Error: --stdin-bundle: ") and why in err, err
+    assert not (tmp_path.parent / "evil.j2").exists()
+
+
+def test_templates_folder_without_templates_is_refused(manifest: Path, tmp_path: Path) -> None:
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    code, _, err = _install(str(manifest), "--host", "node1", "--templates", str(empty))
+    assert (code, err) == (2, f"Error: --templates: {empty}: holds no *.j2 template\n")
 
 
 # --- over a real ssh ----------------------------------------------------------------------------------------
@@ -174,3 +184,30 @@ def test_remote_warnings_reach_the_user(sshd: Sshd, tmp_path: Path) -> None:
                               str(tmp_path / "units"), "--consulrun-path", CONSULRUN, *sshd.options())
     assert code == 0, out + err
     assert f"warning: root@127.0.0.1: no Consul agent answers at http://127.0.0.1:{silent} (connection refused)" in err
+
+
+def test_override_templates_travel_to_the_nodes(sshd: Sshd, manifest: Path, tmp_path: Path) -> None:
+    """`--templates` with `--host` used to be dropped: the nodes rendered the shipped templates."""
+    templates = tmp_path / "templates"
+    templates.mkdir()
+    (templates / "timer.j2").write_text("{{ header }}\n[Timer]\nOnCalendar={{ job.schedules[0] | unit_value }}\n"
+                                        "# overridden for {{ job.name }}\n[Install]\nWantedBy=timers.target\n")
+    code, out, err = _install(str(manifest), "--host", "root@127.0.0.1", "--dry-run", "--templates", str(templates),
+                              "--unit-dir", str(tmp_path / "units"), "--consulrun-path", CONSULRUN, *sshd.options())
+    assert code == 0, out + err
+    assert "+# overridden for tick\n" in out
+    assert "+Type=oneshot\n" in out  # the service template is still the shipped one
+
+
+def test_root_is_passed_to_the_nodes(sshd: Sshd, manifest: Path, tmp_path: Path) -> None:
+    """`--root` with `--host` used to be ignored: the nodes installed into their live /etc/systemd/system."""
+    image = tmp_path / "image"
+    in_image = image / CONSULRUN.lstrip("/")  # the consulrun the units will call, inside the image
+    in_image.parent.mkdir(parents=True)
+    in_image.write_text("#!/bin/sh\n")
+    in_image.chmod(0o755)
+    code, out, err = _install(str(manifest), "--host", "root@127.0.0.1", "--dry-run", "--root", str(image),
+                              "--consulrun-path", CONSULRUN, *sshd.options())
+    assert code == 0, out + err
+    assert "would run: systemctl enable consulrun-tick.timer\n" in out  # offline: enabled, not started
+    assert not (image / "etc").exists()  # a dry run
