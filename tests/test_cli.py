@@ -146,6 +146,12 @@ def test_prefix_is_checked_like_the_manifests_kv_prefix(prefix: str, tmp_path: P
     assert code == 2 and (rule in err or "must not be empty" in err)
 
 
+def test_missing_token_file_reads_without_errno_text(tmp_path: Path) -> None:
+    code, _, err = invoke("run", "--token-file", str(tmp_path / "nope"), "job", "--", "true",
+                          env={"CONSUL_HTTP_ADDR": f"127.0.0.1:{free_port()}"})
+    assert (code, err) == (2, f"Error: Consul token file {tmp_path / 'nope'}: no such file\n")
+
+
 def test_missing_templates_folder_is_one_line(manifest: Path, tmp_path: Path) -> None:
     code, _, err = invoke("generate", str(manifest), "-o", "-", "--templates", str(tmp_path / "nope"))
     assert (code, err) == (2, f"Error: --templates: {tmp_path / 'nope'}: no such file\n")
