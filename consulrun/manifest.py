@@ -9,6 +9,7 @@ ranges, calendar syntax and whether a value can be written to a unit file.
 from __future__ import annotations
 
 import difflib
+import re
 import shlex
 from dataclasses import dataclass
 from pathlib import Path
@@ -101,7 +102,12 @@ class _Problems:
 def _dotted(path: tuple[Any, ...]) -> str:
     out = ""
     for part in path:
-        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+        if isinstance(part, int) and not isinstance(part, bool):
+            out += f"[{part}]"
+        elif isinstance(part, str) and re.fullmatch(r"[A-Za-z0-9_-]{1,64}", part):
+            out += f".{part}" if out else part
+        else:  # a key that would garble the message (a newline, a dot, 2 MB): quoted and cut short
+            out += f"[{_shown(part)}]"
     return out
 
 

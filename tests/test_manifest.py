@@ -248,3 +248,38 @@ def test_every_field_replaced_by_a_wrong_value_is_a_positioned_error(tmp_path: P
         lines = result.stderr.splitlines()
         assert lines and all(positioned.match(line) for line in lines), (where, result.stderr)
         assert all(len(line) < 400 for line in lines), where
+
+
+def _yaml_values():  # noqa: ANN202 - a hypothesis strategy
+    from hypothesis import strategies as st
+
+    scalars = st.one_of(st.none(), st.booleans(), st.integers(min_value=-10**40, max_value=10**40),
+                        st.floats(allow_nan=False), st.text(max_size=40),
+                        st.sampled_from(["15s", "2x", "10 min", "daily", "/abs", "a b", "-1", "1y", "unix:///s"]))
+    return st.recursive(scalars, lambda inner: st.one_of(st.lists(inner, max_size=3),
+                                                          st.dictionaries(st.text(max_size=8), inner, max_size=3)),
+                        max_leaves=6)
+
+
+def test_any_value_anywhere_is_accepted_or_a_positioned_error(tmp_path: Path) -> None:
+    """Fuzzing on top of the table above: whatever replaces a field, the answer is exit 0 or exit 2, never a crash."""
+    import re
+
+    import yaml
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    manifest = tmp_path / "jobs.yaml"
+    positioned = re.compile(rf"Error: {re.escape(str(manifest))}:\d+:\d+: \S")
+
+    @settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+    @given(st.sampled_from(_paths(FULL)), _yaml_values())
+    def check(path: tuple, value: object) -> None:
+        manifest.write_text(yaml.safe_dump(_replaced(path, value), width=10**7))
+        result = CliRunner().invoke(main, ["generate", str(manifest), "-o", "-", "--consulrun-path", "/x/consulrun"])
+        assert result.exception is None or isinstance(result.exception, SystemExit), (path, value, result.exception)
+        assert result.exit_code in (0, 2), (path, value, result.output)
+        if result.exit_code == 2:
+            assert all(positioned.match(line) for line in result.stderr.splitlines()), (path, value, result.stderr)
+
+    check()
