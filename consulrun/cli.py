@@ -153,9 +153,11 @@ def _read_manifest(manifest: Path) -> tuple["Manifest", str]:
 @main.command(context_settings={"allow_interspersed_args": False})
 @click.option("--prefix", type=KvPrefix(), default="consulrun", show_default=True,
               help="KV prefix; the job's keys are <prefix>/<JOB>/.")
-@click.option("--ttl", type=Duration(TTL_RANGE_MS), default="15s", show_default=True, help=f"Session TTL ({range_text(TTL_RANGE_MS)}).")
+@click.option("--ttl", type=Duration(TTL_RANGE_MS), default="15s", show_default=True,
+              help=f"Session TTL ({range_text(TTL_RANGE_MS)}).")
 @click.option("--lock-delay", type=Duration(LOCK_DELAY_RANGE_MS), default="15s", show_default=True,
-              help=f"Consul lock-delay ({range_text(LOCK_DELAY_RANGE_MS)}). The job is killed within this long of losing touch with Consul.")
+              help=f"Consul lock-delay ({range_text(LOCK_DELAY_RANGE_MS)}). "
+                   "The job is killed within this long of losing touch with Consul.")
 @click.option("--check", "checks", multiple=True, metavar="ID",
               help="Extra node or service check bound to the session (repeatable); serfHealth is always bound.")
 @click.option("--wait", type=Duration(), default="0s", show_default=True,
