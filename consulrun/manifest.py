@@ -112,9 +112,9 @@ def _dotted(path: tuple[Any, ...]) -> str:
 
 
 _TYPE_NAMES = {str: "a string", int: "an integer", float: "a number", bool: "a boolean",
-               list: "a list", dict: "a mapping", type(None): "nothing"}
+               list: "a list", dict: "a mapping", type(None): "an empty value"}
 _SCHEMA_TYPES = {"string": "a string", "integer": "an integer", "number": "a number", "boolean": "a boolean",
-                 "array": "a list", "object": "a mapping", "null": "nothing"}
+                 "array": "a list", "object": "a mapping", "null": "an empty value"}
 
 
 def _describe(value: Any) -> str:
