@@ -201,7 +201,12 @@ def check_consulrun(path: Path, check_version: bool) -> None:
         raise UsageError(f"{path}: the consulrun the units would call does not exist or is not executable "
                          "(install consulrun there, or pass --consulrun-path)")
     if check_version:
-        found = subprocess.run([str(path), "--version"], capture_output=True, text=True).stdout.strip().rsplit(" ", 1)[-1]
+        try:
+            answer = subprocess.run([str(path), "--version"], capture_output=True, text=True, timeout=60).stdout
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            why = os_reason(exc) if isinstance(exc, OSError) else "no answer to --version in 60s"
+            raise UsageError(f"{path}: the consulrun the units would call cannot be run: {why}") from None
+        found = answer.strip().rsplit(" ", 1)[-1]
         if found.split(".")[:2] != __version__.split(".")[:2]:
             raise UsageError(f"{path} is consulrun {found or '?'}, this is {__version__}: "
                              "units and installer must be the same major.minor version")

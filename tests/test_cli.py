@@ -262,3 +262,12 @@ def test_readme_first_command_shows_units_with_their_file_names(tmp_path: Path) 
     execs = [line for line in result.stdout.splitlines() if line.startswith("ExecStart=")]
     assert execs and all(line.startswith(f"ExecStart={consulrun} run ") for line in execs)
     assert "the consulrun of this venv" in README.replace("\n", " ")
+
+
+def test_consulrun_path_that_cannot_run_is_one_line(manifest: Path, tmp_path: Path) -> None:
+    bogus = tmp_path / "consulrun"
+    bogus.write_bytes(b"\x7fELF not really")
+    bogus.chmod(0o755)
+    code, _, err = invoke("install", str(manifest), "--dry-run", "--unit-dir", str(tmp_path / "units"),
+                          "--consulrun-path", str(bogus))
+    assert (code, err) == (2, f"Error: {bogus}: the consulrun the units would call cannot be run: exec format error\n")
