@@ -204,7 +204,7 @@ def check_consulrun(path: Path, check_version: bool) -> None:
         try:
             answer = subprocess.run([str(path), "--version"], capture_output=True, text=True, timeout=60).stdout
         except (OSError, subprocess.TimeoutExpired) as exc:
-            why = os_reason(exc) if isinstance(exc, OSError) else "no answer to --version in 60s"
+            why = os_reason(exc) if isinstance(exc, OSError) else "no answer to --version in 1m"
             raise UsageError(f"{path}: the consulrun the units would call cannot be run: {why}") from None
         found = answer.strip().rsplit(" ", 1)[-1]
         if found.split(".")[:2] != __version__.split(".")[:2]:
