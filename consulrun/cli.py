@@ -21,7 +21,7 @@ import click
 from consulrun import __version__
 from consulrun.durations import LOCK_DELAY_RANGE_MS, TTL_RANGE_MS, range_text
 from consulrun.errors import BrokenPipe, ConsulrunError, ExitCode, OutputError, UsageError, os_reason
-from consulrun.options import Duration, Folder, KvPrefix, consul_config, consul_options
+from consulrun.options import AbsolutePath, Duration, Folder, KvPrefix, consul_config, consul_options
 from consulrun.schema import name_problem, schedule_problem
 
 if TYPE_CHECKING:
@@ -108,7 +108,7 @@ def main() -> None:
 @click.option("--check", is_flag=True, help="Change nothing; print a diff and exit 1 if DIR is out of date.")
 @click.option("--templates", type=Folder(),
               help="Folder with service.j2 and/or timer.j2 overriding the shipped templates.")
-@click.option("--consulrun-path", default=_default_consulrun_path, show_default="this consulrun",
+@click.option("--consulrun-path", type=AbsolutePath(), default=_default_consulrun_path, show_default="this consulrun",
               help="Absolute path of consulrun as the units' ExecStart= calls it.")
 def generate(manifest: Path, output: str, check: bool, templates: Path | None, consulrun_path: str) -> None:
     """Render MANIFEST into <prefix>-<job>.service/.timer files. MANIFEST may be - (standard input)."""
@@ -240,7 +240,7 @@ def _setup_logging() -> None:
 @click.option("--no-start", is_flag=True, help="Enable the timers but do not start them.")
 @click.option("--templates", type=Folder(),
               help="Folder with service.j2 and/or timer.j2 overriding the shipped templates (sent along with --host).")
-@click.option("--consulrun-path", default=_default_consulrun_path, show_default="this consulrun",
+@click.option("--consulrun-path", type=AbsolutePath(), default=_default_consulrun_path, show_default="this consulrun",
               help="Absolute path of consulrun on the node(s), as units call it.")
 @click.option("--host", "hosts", multiple=True, metavar="NODE",
               help="Install on NODE ([USER@]HOST) over ssh (repeatable; a node given twice is installed once).")

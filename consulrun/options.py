@@ -59,6 +59,18 @@ class KvPrefix(click.ParamType):
         return text
 
 
+class AbsolutePath(click.ParamType):
+    """An absolute path without control characters: what a unit's ExecStart= and a remote shell can both take."""
+
+    name = "PATH"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> str:
+        text = str(value)
+        if not text.startswith("/") or any(ord(ch) < 0x20 or ord(ch) == 0x7f for ch in text):
+            raise UsageError(f"{_option_name(param)}: {text[:200]!r} must be an absolute path without control characters")
+        return text
+
+
 class Folder(click.ParamType):
     """An existing folder; a missing one is a one-line error, not a usage block."""
 

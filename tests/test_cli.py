@@ -271,3 +271,10 @@ def test_consulrun_path_that_cannot_run_is_one_line(manifest: Path, tmp_path: Pa
     code, _, err = invoke("install", str(manifest), "--dry-run", "--unit-dir", str(tmp_path / "units"),
                           "--consulrun-path", str(bogus))
     assert (code, err) == (2, f"Error: {bogus}: the consulrun the units would call cannot be run: exec format error\n")
+
+
+@pytest.mark.parametrize("command", [["generate", "-o", "-"], ["install", "--dry-run", "--host", "node1"]])
+def test_consulrun_path_must_be_absolute(command: list[str], manifest: Path) -> None:
+    code, _, err = invoke(command[0], str(manifest), *command[1:], "--consulrun-path", "bin/consulrun")
+    assert (code, err) == (2, "Error: --consulrun-path: 'bin/consulrun' must be an absolute path without control "
+                              "characters\n")
