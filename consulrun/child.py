@@ -56,14 +56,17 @@ def _parents() -> dict[int, int]:
     return links
 
 
-def descendants(root: int | None = None) -> list[int]:
-    """Live descendants of `root` (default: this process), children before grandchildren."""
+def descendants(root: int | None = None, exclude: frozenset[int] = frozenset()) -> list[int]:
+    """Live descendants of `root` (default: this process), children before grandchildren.
+
+    Children of `root` in `exclude` are left out with their whole subtrees.
+    """
     root = os.getpid() if root is None else root
     children: dict[int, list[int]] = {}
     for pid, ppid in _parents().items():
         children.setdefault(ppid, []).append(pid)
     found: list[int] = []
-    queue = list(children.get(root, []))
+    queue = [pid for pid in children.get(root, []) if pid not in exclude]
     while queue:
         pid = queue.pop(0)
         found.append(pid)
@@ -76,6 +79,9 @@ class Job:
 
     def __init__(self, argv: list[str], env: dict[str, str]) -> None:
         parent = os.getpid()
+        # Children the wrapper had before the job (none when it runs as `consulrun run`; a host process
+        # embedding it may have some) are not the job's.
+        self._foreign = frozenset(descendants())
         try:
             self.process = subprocess.Popen(argv, env=env, preexec_fn=lambda: _in_child(parent),  # noqa: PLW1509
                                             close_fds=True)
@@ -112,17 +118,21 @@ class Job:
             os.killpg(self.pgid, signum)
         except (ProcessLookupError, PermissionError):
             pass
-        for pid in descendants():
+        for pid in self.processes():
             try:
                 if os.getpgid(pid) != self.pgid:
                     os.kill(pid, signum)
             except (ProcessLookupError, PermissionError):
                 pass
 
+    def processes(self) -> list[int]:
+        """Every live process of the job: the wrapper's descendants, less those that predate the job."""
+        return descendants(exclude=self._foreign)
+
     def alive(self) -> bool:
         """True while any process of the job exists (exited ones are reaped first)."""
         self.reap()
-        return bool(descendants())
+        return bool(self.processes())
 
     def kill_all(self, grace_s: float, now: Callable[[], float] = time.monotonic) -> None:
         """SIGTERM every process of the job, SIGKILL whatever is left after `grace_s` (at once if <= 0).

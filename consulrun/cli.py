@@ -6,20 +6,23 @@ from `consulrun.errors.ExitCode` and nowhere else.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import shutil
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import click
 
 from consulrun import __version__
-from consulrun.errors import ConsulrunError, ExitCode, UsageError
-from consulrun.durations import LOCK_DELAY_RANGE_MS, TTL_RANGE_MS
-from consulrun.options import Duration, consul_config, consul_options
-from consulrun.schema import name_problem
+from consulrun.durations import LOCK_DELAY_RANGE_MS, TTL_RANGE_MS, range_text
+from consulrun.errors import BrokenPipe, ConsulrunError, ExitCode, OutputError, UsageError, os_reason
+from consulrun.options import AbsolutePath, Duration, Folder, KvPrefix, consul_config, consul_options
+from consulrun.schema import name_problem, schedule_problem
 
 if TYPE_CHECKING:
     from consulrun.manifest import Manifest
@@ -56,7 +59,42 @@ def _default_consulrun_path() -> str:
     return os.path.abspath(found) if found else "/usr/local/bin/consulrun"
 
 
-@click.group(epilog=EXIT_CODES_HELP, context_settings={"help_option_names": ["-h", "--help"]})
+# Errors writing standard output: a full disk (`> /dev/full`), a closed pipe (`| head -1`), a dead terminal.
+_OUTPUT_ERRNOS = {errno.EPIPE, errno.ENOSPC, errno.EIO, errno.EDQUOT, errno.EFBIG}
+
+
+@contextmanager
+def _output_guard() -> Iterator[None]:
+    """Turn a failed write to stdout into exit 74 with one line (none for a closed pipe), never a traceback."""
+    try:
+        yield
+    except OSError as exc:
+        if exc.errno not in _OUTPUT_ERRNOS:
+            raise
+        try:  # what is still buffered would fail again when Python flushes at exit
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+            os.close(devnull)
+        except (OSError, ValueError, AttributeError):
+            pass
+        if exc.errno == errno.EPIPE:
+            raise BrokenPipe() from None
+        raise OutputError(f"writing output failed: {os_reason(exc)}") from None
+
+
+class _Main(click.Group):
+    """The command group, guarding every output (`--help` included) against a full disk or a closed pipe."""
+
+    def make_context(self, *args: Any, **kwargs: Any) -> click.Context:
+        with _output_guard():
+            return super().make_context(*args, **kwargs)
+
+    def invoke(self, ctx: click.Context) -> Any:
+        with _output_guard():
+            return super().invoke(ctx)
+
+
+@click.group(cls=_Main, epilog=EXIT_CODES_HELP, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="consulrun")
 def main() -> None:
     """Run each occurrence of a scheduled job on exactly one node, locked through Consul.
@@ -68,21 +106,20 @@ def main() -> None:
 
 
 @main.command()
-@click.argument("manifest", type=click.Path(dir_okay=False, path_type=Path))
+@click.argument("manifest", type=click.Path(allow_dash=True, path_type=Path))
 @click.option("-o", "--output", "output", required=True, metavar="DIR",
               help="Folder to write the units into, or - to print them.")
 @click.option("--check", is_flag=True, help="Change nothing; print a diff and exit 1 if DIR is out of date.")
-@click.option("--templates", type=click.Path(file_okay=False, exists=True, path_type=Path),
+@click.option("--templates", type=Folder(),
               help="Folder with service.j2 and/or timer.j2 overriding the shipped templates.")
-@click.option("--consulrun-path", default=_default_consulrun_path, show_default="this consulrun",
+@click.option("--consulrun-path", type=AbsolutePath(), default=_default_consulrun_path, show_default="this consulrun",
               help="Absolute path of consulrun as the units' ExecStart= calls it.")
 def generate(manifest: Path, output: str, check: bool, templates: Path | None, consulrun_path: str) -> None:
-    """Render MANIFEST into <prefix>-<job>.service/.timer files."""
-    from consulrun.manifest import load_manifest  # imported here: `run` should not pay for the validator
+    """Render MANIFEST into <prefix>-<job>.service/.timer files. MANIFEST may be - (standard input)."""
     from consulrun.install import plan
     from consulrun.render import render, write_units
 
-    loaded = load_manifest(manifest)
+    loaded, _ = _read_manifest(manifest)
     units = render(loaded, consulrun_path, templates)
     if output == "-":
         for name, text in units.items():
@@ -101,16 +138,30 @@ def generate(manifest: Path, output: str, check: bool, templates: Path | None, c
         click.echo(str(path))
 
 
-def _in_range(name: str, ms: int, bounds: tuple[int, int]) -> None:
-    if not bounds[0] <= ms <= bounds[1]:
-        raise UsageError(f"--{name} must be between {bounds[0] // 1000}s and {bounds[1] // 1000}s")
+def _read_manifest(manifest: Path) -> tuple["Manifest", str]:
+    """Load and validate MANIFEST, or standard input for `-`; also return its text (sent on by `install --host`)."""
+    from consulrun.manifest import parse_manifest  # imported here: `run` should not pay for the validator
+
+    if str(manifest) == "-":
+        text, source = sys.stdin.read(), "<stdin>"
+    else:
+        try:
+            text, source = manifest.read_text(encoding="utf-8"), str(manifest)
+        except OSError as exc:
+            raise UsageError(f"{manifest}: {os_reason(exc)}") from None
+        except UnicodeDecodeError as exc:
+            raise UsageError(f"{manifest}: not UTF-8 text (byte {exc.start})") from None
+    return parse_manifest(text, source), text
 
 
 @main.command(context_settings={"allow_interspersed_args": False})
-@click.option("--prefix", default="consulrun", show_default=True, help="KV prefix; the job's keys are <prefix>/<JOB>/.")
-@click.option("--ttl", type=Duration(), default="15s", show_default=True, help="Session TTL (10s to 24h).")
-@click.option("--lock-delay", type=Duration(), default="15s", show_default=True,
-              help="Consul lock-delay (5s to 60s). The job is killed within this long of losing touch with Consul.")
+@click.option("--prefix", type=KvPrefix(), default="consulrun", show_default=True,
+              help="KV prefix; the job's keys are <prefix>/<JOB>/.")
+@click.option("--ttl", type=Duration(TTL_RANGE_MS), default="15s", show_default=True,
+              help=f"Session TTL ({range_text(TTL_RANGE_MS)}).")
+@click.option("--lock-delay", type=Duration(LOCK_DELAY_RANGE_MS), default="15s", show_default=True,
+              help=f"Consul lock-delay ({range_text(LOCK_DELAY_RANGE_MS)}). "
+                   "The job is killed within this long of losing touch with Consul.")
 @click.option("--check", "checks", multiple=True, metavar="ID",
               help="Extra node or service check bound to the session (repeatable); serfHealth is always bound.")
 @click.option("--wait", type=Duration(), default="0s", show_default=True,
@@ -137,6 +188,9 @@ def run(job: str, command: tuple[str, ...], prefix: str, ttl: int, lock_delay: i
     \b
     consulrun run [OPTIONS] JOB -- COMMAND [ARG]...
 
+    Options go before JOB; everything after it is the command. Durations are
+    written as systemd writes them (500ms, 15s, 1m30s, 10 min, 1h 30min).
+
     The job gets CONSULRUN_JOB, CONSULRUN_SESSION, CONSULRUN_LOCK_KEY and
     CONSULRUN_FENCING_TOKEN (grows with every acquisition) in its environment.
     Its own exit status is passed through. If the lock cannot be confirmed,
@@ -145,19 +199,18 @@ def run(job: str, command: tuple[str, ...], prefix: str, ttl: int, lock_delay: i
     problem = name_problem(job)
     if problem:
         raise UsageError(problem)
-    _in_range("ttl", ttl, TTL_RANGE_MS)
-    _in_range("lock-delay", lock_delay, LOCK_DELAY_RANGE_MS)
     if schedules and concurrency != 1:
         raise UsageError("--schedule runs each occurrence once; it cannot be combined with --concurrency")
     for spec_text in schedules:
-        from consulrun.calendar import CalendarError, validate
-
-        try:
-            validate(spec_text)
-        except CalendarError as exc:
-            raise UsageError(f"--schedule: {exc}") from None
+        problem = schedule_problem(spec_text)
+        if problem:
+            raise UsageError(f"--schedule: {problem}")
     if command and command[0] == "--":
         command = command[1:]
+    elif command and command[0].startswith("-"):
+        # `run JOB --ttl 10s -- cmd` must not run `--ttl` as the job: options go before JOB.
+        raise UsageError(f"options go before JOB: {command[0]!r} follows {job!r}; "
+                         "write consulrun run [OPTIONS] JOB -- COMMAND [ARG]...")
     if not command:
         raise UsageError("no command given: consulrun run JOB -- COMMAND [ARG]...")
     from consulrun.lock import LockSpec  # imported here: `generate` should not pay for the Consul client
@@ -181,24 +234,29 @@ def _setup_logging() -> None:
 
 
 @main.command()
-@click.argument("manifest", type=click.Path(dir_okay=False, allow_dash=True, path_type=Path))
+@click.argument("manifest", type=click.Path(allow_dash=True, path_type=Path))
 @click.option("--root", type=click.Path(file_okay=False, path_type=Path),
-              help="Install into this root file system (offline: units are enabled, nothing is started).")
+              help="Install into this root file system (offline: units are enabled, nothing is started); "
+                   "with --host, a folder on each node.")
 @click.option("--unit-dir", type=click.Path(path_type=Path), default=Path("/etc/systemd/system"), show_default=True,
               help="Unit folder (inside --root if given).")
 @click.option("--dry-run", is_flag=True, help="Print the diff and the systemctl actions; change nothing.")
 @click.option("--no-start", is_flag=True, help="Enable the timers but do not start them.")
-@click.option("--templates", type=click.Path(file_okay=False, exists=True, path_type=Path),
-              help="Folder with service.j2 and/or timer.j2 overriding the shipped templates.")
-@click.option("--consulrun-path", default=_default_consulrun_path, show_default="this consulrun",
+@click.option("--templates", type=Folder(),
+              help="Folder with service.j2 and/or timer.j2 overriding the shipped templates (sent along with --host).")
+@click.option("--consulrun-path", type=AbsolutePath(), default=_default_consulrun_path, show_default="this consulrun",
               help="Absolute path of consulrun on the node(s), as units call it.")
-@click.option("--host", "hosts", multiple=True, metavar="NODE", help="Install on NODE over ssh (repeatable).")
-@click.option("--hosts-file", type=click.File("r"), help="File with one NODE per line (# comments allowed).")
+@click.option("--host", "hosts", multiple=True, metavar="NODE",
+              help="Install on NODE ([USER@]HOST) over ssh (repeatable; a node given twice is installed once).")
+@click.option("--hosts-file", type=click.Path(dir_okay=False, path_type=Path),
+              help="File with one NODE per line (# comments allowed).")
 @click.option("--ssh-option", "ssh_options", multiple=True, metavar="OPT", help="Passed to ssh as -o OPT (repeatable).")
 @click.option("--parallel", type=click.IntRange(1, 256), default=10, show_default=True, help="Nodes at a time.")
+@click.option("--stdin-bundle", is_flag=True, hidden=True,
+              help="Standard input is the JSON bundle `install --host --templates` sends: manifest and templates.")
 def install(manifest: Path, root: Path | None, unit_dir: Path, dry_run: bool, no_start: bool, templates: Path | None,
-            consulrun_path: str, hosts: tuple[str, ...], hosts_file: click.utils.LazyFile | None,
-            ssh_options: tuple[str, ...], parallel: int) -> None:
+            consulrun_path: str, hosts: tuple[str, ...], hosts_file: Path | None,
+            ssh_options: tuple[str, ...], parallel: int, stdin_bundle: bool) -> None:
     """Install MANIFEST's units on this node, or on each --host over ssh.
 
     Writes only units it generated (a foreign file with one of their names is
@@ -207,21 +265,47 @@ def install(manifest: Path, root: Path | None, unit_dir: Path, dry_run: bool, no
     with the same manifest changes nothing. If anything fails, the previous
     units are put back. MANIFEST may be - (standard input).
     """
-    from consulrun.manifest import load_manifest, parse_manifest
+    from consulrun.remote import make_bundle, read_hosts
 
-    if str(manifest) == "-":
-        text, source = click.get_text_stream("stdin").read(), "<stdin>"
-        loaded = parse_manifest(text, source)
-    else:
-        loaded = load_manifest(manifest)
-        text = manifest.read_text(encoding="utf-8")
-    targets = list(hosts) + ([line.split("#")[0].strip() for line in hosts_file if line.split("#")[0].strip()]
-                             if hosts_file else [])
-    if targets:
-        flags = (["--dry-run"] if dry_run else []) + (["--no-start"] if no_start else []) + \
-            ["--unit-dir", str(unit_dir), "--consulrun-path", consulrun_path]
-        _install_remote(targets, text, [consulrun_path, "install", "-", *flags], list(ssh_options), parallel)
+    if stdin_bundle:
+        _install_bundle(manifest, root=root, unit_dir=unit_dir, dry_run=dry_run, no_start=no_start,
+                        consulrun_path=consulrun_path)
         return
+    loaded, text = _read_manifest(manifest)
+    targets = read_hosts(hosts, hosts_file) if hosts or hosts_file else None
+    if targets is not None:
+        if not targets.names:
+            raise UsageError(f"--hosts-file: {hosts_file}: names no host")
+        for host in targets.duplicates:
+            click.echo(f"warning: {host} is listed more than once; installing there once", err=True)
+        flags = (["--dry-run"] if dry_run else []) + (["--no-start"] if no_start else []) + \
+            (["--root", str(root)] if root else []) + ["--unit-dir", str(unit_dir), "--consulrun-path", consulrun_path]
+        if templates is not None:  # the override templates go along with the manifest, on standard input
+            text = make_bundle(text, templates)
+            flags.append("--stdin-bundle")
+        _install_remote(targets.names, text, [consulrun_path, "install", "-", *flags], list(ssh_options), parallel,
+                        dry_run)
+        return
+    _print_report(loaded, root=root, unit_dir=unit_dir, dry_run=dry_run, no_start=no_start, templates=templates,
+                  consulrun_path=consulrun_path)
+
+
+def _install_bundle(manifest: Path, **options: Any) -> None:
+    """The node's side of `install --host --templates`: templates into a private folder, then the local install."""
+    import tempfile
+
+    from consulrun.manifest import parse_manifest
+    from consulrun.remote import open_bundle
+
+    if str(manifest) != "-":
+        raise UsageError("--stdin-bundle reads standard input: give MANIFEST as -")
+    with tempfile.TemporaryDirectory(prefix="consulrun-templates-") as folder:
+        text = open_bundle(sys.stdin.read(), Path(folder))
+        _print_report(parse_manifest(text, "<stdin>"), templates=Path(folder), **options)
+
+
+def _print_report(loaded: "Manifest", *, root: Path | None, unit_dir: Path, dry_run: bool, no_start: bool,
+                  templates: Path | None, consulrun_path: str) -> None:
     from consulrun.install import install_local
 
     report = install_local(loaded, root=root, unit_dir=unit_dir, dry_run=dry_run, start=not no_start,
@@ -233,14 +317,22 @@ def install(manifest: Path, root: Path | None, unit_dir: Path, dry_run: bool, no
         click.echo(line)
 
 
-def _install_remote(hosts: list[str], text: str, remote_argv: list[str], ssh_options: list[str], parallel: int) -> None:
-    from consulrun.remote import install_all
+def _install_remote(hosts: list[str], text: str, remote_argv: list[str], ssh_options: list[str], parallel: int,
+                    dry_run: bool) -> None:
+    from consulrun.remote import HostResult, install_all
 
-    def progress(result, done: int, total: int) -> None:  # noqa: ANN001
+    def progress(result: HostResult, done: int, total: int) -> None:
         click.echo(f"[{done}/{total}] {result.host}: {'ok' if result.ok else 'FAILED'}: {result.summary}", err=True)
+        for warning in result.warnings:
+            click.echo(f"warning: {result.host}: {warning}", err=True)
 
     results = install_all(hosts, text, remote_argv, ssh_options, parallel, timeout_s=300, progress=progress)
-    width = max(len(r.host) for r in results + [type(results[0])("HOST", True, "", "")])
+    if dry_run:  # each node's own diff and systemctl calls, not only its last line
+        for r in results:
+            if r.ok:
+                click.echo(f"==> {r.host} <==")
+                click.echo(r.stdout, nl=False)
+    width = max(len(r.host) for r in results + [HostResult("HOST", True, "")])
     click.echo(f"{'HOST'.ljust(width)}  RESULT  DETAIL")
     for r in results:
         click.echo(f"{r.host.ljust(width)}  {'ok    ' if r.ok else 'FAILED'}  {r.summary}")
@@ -449,15 +541,15 @@ def unlock(targets: tuple[str, ...], prefix: str | None, yes: bool, force: bool,
 
 
 @main.command("acl-policy")
-@click.argument("manifest", required=False, type=click.Path(dir_okay=False, path_type=Path))
-@click.option("--prefix", default=None, help="KV prefix [default: the manifest's kv_prefix, else consulrun].")
+@click.argument("manifest", required=False, type=click.Path(allow_dash=True, path_type=Path))
+@click.option("--prefix", type=KvPrefix(), default=None,
+              help="KV prefix [default: the manifest's kv_prefix, else consulrun].")
 def acl_policy(manifest: Path | None, prefix: str | None) -> None:
-    """Print the least-privilege Consul ACL policy (HCL) the nodes need."""
+    """Print the least-privilege Consul ACL policy (HCL) the nodes need. MANIFEST may be - (standard input)."""
     from consulrun.aclpolicy import policy_hcl
-    from consulrun.manifest import load_manifest
 
-    loaded = load_manifest(manifest) if manifest else None
-    kv_prefix = prefix or (loaded.kv_prefix if loaded else "consulrun")
+    loaded = _read_manifest(manifest)[0] if manifest else None
+    kv_prefix = prefix if prefix is not None else (loaded.kv_prefix if loaded else "consulrun")
     # A bound check may be a service check; reading those needs service read, so grant it only then.
     service_checks = bool(loaded) and any(job.lock.checks for job in loaded.jobs)
     click.echo(policy_hcl(kv_prefix, service_checks=service_checks), nl=False)

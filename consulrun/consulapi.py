@@ -11,7 +11,7 @@ import base64
 import json
 import logging
 import os
-import urllib.parse
+import socket
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -21,8 +21,11 @@ import consul
 import consul.callback
 import requests
 import requests.adapters
+import urllib3
+import urllib3.connection
+import urllib3.exceptions
 
-from consulrun.errors import ConsulProtocolError, ConsulUnavailable, PermissionDenied, UsageError
+from consulrun.errors import ConsulProtocolError, ConsulUnavailable, PermissionDenied, UsageError, os_reason
 
 
 class SessionInvalid(ConsulProtocolError):
@@ -67,18 +70,34 @@ class ConsulConfig:
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)
 
-    def endpoint(self) -> tuple[str, str, int]:
-        """(scheme, host, port); CONSUL_HTTP_SSL decides the scheme when the address has none."""
-        text = self.address if "://" in self.address else f"//{self.address}"
-        parts = urllib.parse.urlsplit(text)
+    def endpoint(self, allow_unix: bool = False) -> tuple[str, str, int]:
+        """(scheme, host, port), an IPv6 host in brackets; CONSUL_HTTP_SSL decides the scheme when the address has none.
+
+        A unix socket address gives ("http", "localhost", 80) only to a caller
+        that says it routes requests through `UnixSocketAdapter(socket_path)`.
+        """
+        from consulrun.address import AddressError, parse_address
+
         try:
-            port = parts.port
-        except ValueError:
-            port = None
-        if not parts.hostname or (parts.scheme not in ("", "http", "https")):
-            raise UsageError(f"Consul address {self.address!r} is not [http[s]://]host[:port]")
-        scheme = parts.scheme or ("https" if self.ssl else "http")
-        return scheme, parts.hostname, port or (8501 if scheme == "https" else 8500)
+            where = parse_address(self.address, self.ssl)
+        except AddressError as exc:
+            raise UsageError(f"Consul address {exc}") from None
+        if where.socket_path:
+            if not allow_unix:
+                raise UsageError(f"Consul address {self.address!r}: a unix socket cannot be used here; "
+                                 "give the agent's HTTP address")
+            return "http", "localhost", 80
+        return where.scheme, where.host, where.port
+
+    @property
+    def socket_path(self) -> str | None:
+        """The agent's unix socket for a `unix:///path` address, else None."""
+        from consulrun.address import AddressError, parse_address
+
+        try:
+            return parse_address(self.address, self.ssl).socket_path
+        except AddressError:
+            return None
 
     def resolved_token(self) -> str | None:
         if self.token:
@@ -91,7 +110,7 @@ class ConsulConfig:
                             "Consul token file %s is readable by others; make it mode 0600", self.token_file)
                     return handle.read().strip() or None
             except OSError as exc:
-                raise UsageError(f"cannot read Consul token file {self.token_file}: {exc.strerror}") from None
+                raise UsageError(f"Consul token file {self.token_file}: {os_reason(exc)}") from None
         return None
 
 
@@ -168,11 +187,48 @@ class _ServerNameAdapter(requests.adapters.HTTPAdapter):
         super().init_poolmanager(*args, **kwargs)
 
 
+class _UnixSocketConnection(urllib3.connection.HTTPConnection):
+    """An HTTP connection to a unix socket (CONSUL_HTTP_ADDR=unix:///path), the host name being only a label."""
+
+    socket_path = ""
+
+    def _new_conn(self) -> socket.socket:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(self.timeout if isinstance(self.timeout, (int, float)) else None)
+        try:
+            sock.connect(self.socket_path)
+        except OSError as exc:
+            sock.close()
+            raise urllib3.exceptions.NewConnectionError(self, f"{self.socket_path}: {exc.strerror}") from exc
+        return sock
+
+
+class UnixSocketAdapter(requests.adapters.HTTPAdapter):
+    """Send a session's http:// requests to the agent's unix socket; mount it on the Client's session.
+
+    Timeouts, retries and error types stay requests' own, so `translated`
+    reports a missing socket as "Consul agent not reachable", exit 69.
+    """
+
+    def __init__(self, socket_path: str) -> None:
+        super().__init__()
+        self._connection = type("_Connection", (_UnixSocketConnection,), {"socket_path": socket_path})
+
+    def get_connection_with_tls_context(self, request: Any, verify: Any, proxies: Any = None,
+                                        cert: Any = None) -> urllib3.HTTPConnectionPool:
+        pool = urllib3.HTTPConnectionPool("localhost")
+        pool.ConnectionCls = self._connection
+        return pool
+
+    def request_url(self, request: Any, proxies: Any) -> str:
+        return request.path_url
+
+
 class Client:
     """The handful of Consul calls consulrun makes, each with a bounded timeout."""
 
     def __init__(self, config: ConsulConfig, timeout: float = 10.0) -> None:
-        scheme, host, port = config.endpoint()
+        scheme, host, port = config.endpoint(allow_unix=True)
         verify: bool | str = config.ca_file or config.ssl_verify
         cert = (config.client_cert, config.client_key) if config.client_cert and config.client_key else config.client_cert
         self._api = consul.Consul(host=host, port=port, scheme=scheme, verify=verify, cert=cert,
@@ -181,7 +237,10 @@ class Client:
         self._api.token = config.resolved_token()
         if scheme == "https" and config.tls_server_name:
             self._api.http.session.mount("https://", _ServerNameAdapter(config.tls_server_name))
-        self.address = f"{scheme}://{host}:{port}"
+        socket_path = config.socket_path
+        if socket_path:
+            self._api.http.session.mount("http://", UnixSocketAdapter(socket_path))
+        self.address = f"unix://{socket_path}" if socket_path else f"{scheme}://{host}:{port}"
 
     def _translated(self, what: str) -> Any:
         return translated(f"{what} via {self.address}")

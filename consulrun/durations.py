@@ -1,21 +1,44 @@
-"""Durations written as Consul and systemd write them: `500ms`, `15s`, `1m30s`.
+"""Durations written as systemd (and Consul) write them: `500ms`, `15s`, `1m30s`, `1h 30min`, `10 min`.
 
-One canonical rendering (`1h30m15s500ms`) is read the same by Go's
+Parsing follows systemd's time-span grammar (`systemd.time(7)`, checked
+against `systemd-analyze timespan`): parts of a number (fractions allowed) and
+an optional unit, spaces allowed anywhere between them; a part without a unit
+is seconds. One canonical rendering (`1h30m15s500ms`) is read the same by Go's
 `time.ParseDuration` (Consul) and by systemd's time parser, so a parsed value
-can be passed on to either without a second formatter.
+can be passed on to either without a second formatter, and every message
+writes durations that way.
 """
 
 from __future__ import annotations
 
 import re
+from decimal import Decimal
 
 TTL_RANGE_MS = (10_000, 86_400_000)  # Consul's own bounds for a session TTL
 # Consul caps lock-delay at 60s; below 5s no confirmation interval fits inside the fencing window.
 LOCK_DELAY_RANGE_MS = (5_000, 60_000)
+DURATION_MAX_MS = 366 * 86_400_000  # any duration a manifest or option holds; more is surely a typo
 
-_UNITS_MS = {"ms": 1, "s": 1000, "m": 60_000, "min": 60_000, "h": 3_600_000, "d": 86_400_000}
-_PART = re.compile(r"(\d+)(ms|min|s|m|h|d)")
-_WHOLE = re.compile(r"(?:\d+(?:ms|min|s|m|h|d))+")
+_SECOND = Decimal(1000)
+# systemd's suffix table (src/basic/time-util.c), in milliseconds; a month is 30.44 days, a year 365.25 days.
+UNITS_MS: dict[str, Decimal] = {
+    **dict.fromkeys(("seconds", "second", "sec", "s"), _SECOND),
+    **dict.fromkeys(("minutes", "minute", "min", "m"), 60 * _SECOND),
+    **dict.fromkeys(("hours", "hour", "hr", "h"), 3600 * _SECOND),
+    **dict.fromkeys(("days", "day", "d"), 86_400 * _SECOND),
+    **dict.fromkeys(("weeks", "week", "w"), 7 * 86_400 * _SECOND),
+    **dict.fromkeys(("months", "month", "M"), 2_629_800 * _SECOND),
+    **dict.fromkeys(("years", "year", "y"), 31_557_600 * _SECOND),
+    **dict.fromkeys(("msec", "ms"), Decimal(1)),
+    **dict.fromkeys(("usec", "us", "\u00b5s", "\u03bcs"), Decimal("0.001")),
+}
+_UNIT = "|".join(sorted(UNITS_MS, key=len, reverse=True))
+_NUMBER = r"(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)"
+# One part: a number, optional spaces, an optional unit that is not the start of a longer word.
+_PART = re.compile(rf" *({_NUMBER}) *({_UNIT})?(?![A-Za-z\u00b5\u03bc])")
+# The same grammar as one regular expression; the manifest schema carries a copy (a test keeps them equal).
+PATTERN = rf"^ *(?:{_NUMBER} *(?:{_UNIT})?(?![A-Za-z\u00b5\u03bc]) *)+$"
+EXAMPLES = "e.g. 500ms, 15s, 1m30s, 1h 30min"
 
 
 class DurationError(ValueError):
@@ -23,13 +46,20 @@ class DurationError(ValueError):
 
 
 def parse_duration(text: str) -> int:
-    """Return the duration in milliseconds; `0` alone is allowed without a unit."""
-    value = text.strip()
-    if value == "0":
-        return 0
-    if not _WHOLE.fullmatch(value):
-        raise DurationError(f"{text!r} is not a duration (use e.g. 500ms, 15s, 1m30s, 2h)")
-    return sum(int(n) * _UNITS_MS[unit] for n, unit in _PART.findall(value))
+    """Return the duration in milliseconds, reading `text` as systemd reads a time span."""
+    pos, total = 0, Decimal(0)
+    value = text.rstrip(" ")
+    if not value.strip():
+        raise DurationError(f"{text!r} is not a duration ({EXAMPLES})")
+    while pos < len(value):
+        match = _PART.match(value, pos)
+        if not match:
+            raise DurationError(f"{text!r} is not a duration ({EXAMPLES})")
+        total += Decimal(match.group(1)) * UNITS_MS[match.group(2) or "s"]
+        pos = match.end()
+    if total != total.to_integral_value():
+        raise DurationError(f"{text!r} is finer than a millisecond")
+    return int(total)
 
 
 def format_duration(ms: int) -> str:
@@ -42,3 +72,8 @@ def format_duration(ms: int) -> str:
         if count:
             out.append(f"{count}{unit}")
     return "".join(out)
+
+
+def range_text(bounds: tuple[int, int]) -> str:
+    """`10s to 24h`: bounds in the one style every message uses."""
+    return f"{format_duration(bounds[0])} to {format_duration(bounds[1])}"

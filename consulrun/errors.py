@@ -8,6 +8,7 @@ where a meaning matches, so they stay clear of the small codes jobs use.
 from __future__ import annotations
 
 import enum
+import errno
 
 import click
 
@@ -71,6 +72,32 @@ class PermissionDenied(ConsulrunError):
 class OutputError(ConsulrunError):
     exit_code = ExitCode.IO
 
+    def show(self, file=None) -> None:  # noqa: ANN001 - click's signature
+        try:
+            super().show(file)
+        except OSError:  # stderr is gone too (`2>&1 | head`): the exit status still says it
+            pass
+
 
 class JobNotStarted(ConsulrunError):
     exit_code = ExitCode.JOB_NOT_STARTED
+
+
+_REASONS = {errno.ENOENT: "no such file", errno.EISDIR: "is a directory", errno.ENOTDIR: "not a directory",
+            errno.EACCES: "permission denied", errno.EPERM: "permission denied", errno.ENOSPC: "no space left on device",
+            errno.EROFS: "read-only file system", errno.EPIPE: "broken pipe", errno.EIO: "input/output error"}
+
+
+def os_reason(exc: OSError) -> str:
+    """A short, lower-case reason for an OS error (`no such file`), without Python's `[Errno 2] ...: 'x'`."""
+    return _REASONS.get(exc.errno or 0) or (exc.strerror or str(exc)).lower()
+
+
+class BrokenPipe(OutputError):
+    """Standard output's reader went away (`| head -1`): exit 74 without a word, as there is no one to read it."""
+
+    def __init__(self) -> None:
+        super().__init__("broken pipe")
+
+    def show(self, file=None) -> None:  # noqa: ANN001 - click's signature
+        pass

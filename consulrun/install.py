@@ -12,6 +12,7 @@ from __future__ import annotations
 import difflib
 import os
 import shutil
+import socket
 import subprocess
 import urllib.error
 import urllib.request
@@ -19,7 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from consulrun import __version__
-from consulrun.errors import ConsulrunError, OutputError, UsageError
+from consulrun.address import AddressError, parse_address
+from consulrun.errors import ConsulrunError, OutputError, UsageError, os_reason
 from consulrun.manifest import Manifest
 from consulrun.render import is_generated, render, stage
 
@@ -128,7 +130,7 @@ def apply(p: Plan, *, start: bool, root: Path | None) -> list[str]:
             done.append("systemctl " + " ".join(call))
     except (OSError, InstallError) as exc:
         _restore(p, written, root)
-        reason = exc if isinstance(exc, InstallError) else f"{getattr(exc, 'filename', '') or p.unit_dir}: {exc.strerror}"
+        reason = exc if isinstance(exc, InstallError) else f"{getattr(exc, 'filename', '') or p.unit_dir}: {os_reason(exc)}"
         raise InstallError(f"install failed, previous units restored: {reason}"
                            + (f" (done before the failure: {'; '.join(done)})" if done else "")) from None
     return done
@@ -177,6 +179,8 @@ def install_local(manifest: Manifest, *, root: Path | None, unit_dir: Path, dry_
     check_consulrun(root / consulrun_path.lstrip("/") if root else Path(consulrun_path), check_version=root is None)
     the_plan = plan(units, target, manifest.unit_prefix)
     report = Report()
+    if root is None and (dry_run or not the_plan.empty):  # a dry run is the time to hear it, too
+        report.warnings += agent_warnings(manifest.consul.address)
     if dry_run:
         report.diff.append(the_plan.diff())
         report.lines += ["would run: systemctl " + " ".join(call) for call in the_plan.actions(start, root is not None)]
@@ -185,8 +189,6 @@ def install_local(manifest: Manifest, *, root: Path | None, unit_dir: Path, dry_
     if the_plan.empty:
         report.lines.append(f"up to date: {len(units)} unit(s) in {target}")
         return report
-    if root is None:
-        report.warnings += agent_warnings(manifest.consul.address)
     report.lines += apply(the_plan, start=start, root=root)
     report.lines.append(f"installed: {len(the_plan.add)} added, {len(the_plan.change)} changed, "
                         f"{len(the_plan.remove)} removed")
@@ -199,7 +201,12 @@ def check_consulrun(path: Path, check_version: bool) -> None:
         raise UsageError(f"{path}: the consulrun the units would call does not exist or is not executable "
                          "(install consulrun there, or pass --consulrun-path)")
     if check_version:
-        found = subprocess.run([str(path), "--version"], capture_output=True, text=True).stdout.strip().rsplit(" ", 1)[-1]
+        try:
+            answer = subprocess.run([str(path), "--version"], capture_output=True, text=True, timeout=60).stdout
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            why = os_reason(exc) if isinstance(exc, OSError) else "no answer to --version in 1m"
+            raise UsageError(f"{path}: the consulrun the units would call cannot be run: {why}") from None
+        found = answer.strip().rsplit(" ", 1)[-1]
         if found.split(".")[:2] != __version__.split(".")[:2]:
             raise UsageError(f"{path} is consulrun {found or '?'}, this is {__version__}: "
                              "units and installer must be the same major.minor version")
@@ -207,11 +214,21 @@ def check_consulrun(path: Path, check_version: bool) -> None:
 
 def agent_warnings(address: str | None) -> list[str]:
     """Units may be installed before the agent runs, so a silent agent is worth a warning, not a failure."""
-    url = address or os.environ.get("CONSUL_HTTP_ADDR") or "127.0.0.1:8500"
-    url = url if "://" in url else f"http://{url}"
+    text = address or os.environ.get("CONSUL_HTTP_ADDR") or "127.0.0.1:8500"
     try:
-        urllib.request.urlopen(f"{url.rstrip('/')}/v1/status/leader", timeout=2).read()
+        where = parse_address(text, os.environ.get("CONSUL_HTTP_SSL", "").lower() in ("1", "true", "yes", "on"))
+    except AddressError as exc:
+        return [f"Consul address {exc}; the units' runs will fail until it is corrected"]
+    try:
+        if where.socket_path:
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+                sock.settimeout(2)
+                sock.connect(where.socket_path)
+        else:
+            urllib.request.urlopen(f"{where.url}/v1/status/leader", timeout=2).read()
     except (OSError, urllib.error.URLError) as exc:
-        return [f"no Consul agent answers at {url} ({getattr(exc, 'reason', exc)}); "
+        reason = getattr(exc, "reason", exc)
+        return [f"no Consul agent answers at {where.url} "
+                f"({os_reason(reason) if isinstance(reason, OSError) else reason}); "
                 "the units are installed anyway and their runs fail closed until it does"]
     return []

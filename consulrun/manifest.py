@@ -9,6 +9,7 @@ ranges, calendar syntax and whether a value can be written to a unit file.
 from __future__ import annotations
 
 import difflib
+import re
 import shlex
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,13 +18,13 @@ from typing import Any
 import jsonschema
 import yaml
 
-from consulrun import calendar, unitescape
-from consulrun.durations import LOCK_DELAY_RANGE_MS, TTL_RANGE_MS, parse_duration
-from consulrun.errors import ManifestError
-from consulrun.schema import SCHEMA
+from consulrun import unitescape
+from consulrun.address import AddressError, parse_address
+from consulrun.durations import (DURATION_MAX_MS, LOCK_DELAY_RANGE_MS, TTL_RANGE_MS, DurationError, format_duration,
+                                 parse_duration, range_text)
+from consulrun.errors import ManifestError, os_reason
+from consulrun.schema import SCHEMA, schedule_problem
 from consulrun.yamlsource import Located, load
-
-
 
 
 @dataclass(frozen=True)
@@ -101,53 +102,84 @@ class _Problems:
 def _dotted(path: tuple[Any, ...]) -> str:
     out = ""
     for part in path:
-        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+        if isinstance(part, int) and not isinstance(part, bool):
+            out += f"[{part}]"
+        elif isinstance(part, str) and re.fullmatch(r"[A-Za-z0-9_-]{1,64}", part):
+            out += f".{part}" if out else part
+        else:  # a key that would garble the message (a newline, a dot, 2 MB): quoted and cut short
+            out += f"[{_shown(part)}]"
     return out
 
 
 _TYPE_NAMES = {str: "a string", int: "an integer", float: "a number", bool: "a boolean",
-               list: "a list", dict: "a mapping", type(None): "empty"}
+               list: "a list", dict: "a mapping", type(None): "an empty value"}
+_SCHEMA_TYPES = {"string": "a string", "integer": "an integer", "number": "a number", "boolean": "a boolean",
+                 "array": "a list", "object": "a mapping", "null": "an empty value"}
 
 
 def _describe(value: Any) -> str:
     return _TYPE_NAMES.get(type(value), type(value).__name__)
 
 
+def _shown(value: Any) -> str:
+    """A value for a message: quoted, and cut short so a 2 MB value makes a one-line error."""
+    text = repr(value)
+    return text if len(text) <= 80 else text[:60] + f"... ({len(value) if isinstance(value, str) else len(text)} characters)"
+
+
 def _schema_problem(err: jsonschema.ValidationError, problems: _Problems) -> None:
     path = tuple(err.absolute_path)
     kind = err.validator
+    schema = err.schema
     if kind == "additionalProperties":
-        known = sorted(err.schema.get("properties", {}))
+        known = sorted(schema.get("properties", {}))
         for extra in sorted(set(err.instance) - set(known), key=str):
             hint = difflib.get_close_matches(str(extra), known, n=1)
             suffix = f" (did you mean {hint[0]!r}?)" if hint else f" (known keys: {', '.join(known)})"
-            problems.add(path + (extra,), f"unknown key {extra!r}{suffix}", key=True)
+            problems.add(path + (extra,), f"unknown key {_shown(extra)}{suffix}", key=True)
     elif kind == "required":
         for missing in (k for k in err.validator_value if k not in err.instance):
             problems.add(path, f"missing required key {missing!r}")
     elif kind == "type":
         wanted = err.validator_value if isinstance(err.validator_value, list) else [err.validator_value]
-        message = err.schema.get("x-message") or f"must be {' or '.join(wanted)}, not {_describe(err.instance)}"
-        problems.add(path, message)
+        expected = schema.get("x-expected") or " or ".join(_SCHEMA_TYPES.get(w, w) for w in wanted)
+        problems.add(path, schema.get("x-type-message") or f"expected {expected}, got {_describe(err.instance)}")
     elif kind == "pattern" and err.relative_schema_path and "propertyNames" in err.relative_schema_path:
-        problems.add(path + (err.instance,), f"{err.instance!r} {err.schema.get('x-message', 'is not allowed')}", key=True)
-    elif kind == "pattern":
-        problems.add(path, f"{err.instance!r} {err.schema.get('x-message', 'has the wrong form')}")
-    elif kind == "oneOf" and "x-message" in err.schema:
-        problems.add(path, f"{err.instance!r} {err.schema['x-message']}")
+        problems.add(path + (err.instance,), f"{_shown(err.instance)} {schema.get('x-message', 'is not allowed')}",
+                     key=True)
+    elif kind in ("pattern", "enum"):
+        problems.add(path, f"{_shown(err.instance)} {schema.get('x-message', 'is not allowed')}")
+    elif kind == "oneOf" and err.instance in ("", []) and "x-empty" in schema:
+        problems.add(path, schema["x-empty"])
+    elif kind == "oneOf" and "x-message" in schema:
+        problems.add(path, f"{_shown(err.instance)} {schema['x-message']}")
     elif kind == "oneOf":
-        problems.add(path, f"must be a non-empty string or a non-empty list of strings, not {_describe(err.instance)}")
-    elif kind == "enum":
-        problems.add(path, f"{err.instance!r} {err.schema.get('x-message', 'is not allowed')}")
+        kind_of = {str: "string", list: "array"}.get(type(err.instance))
+        branch = next((i for i, sub in enumerate(err.validator_value) if sub.get("type") == kind_of), None)
+        inner = [e for e in err.context if e.relative_schema_path and e.relative_schema_path[0] == branch]
+        if inner:  # the value has the right type: say what is wrong inside it
+            for sub_error in inner:
+                _schema_problem(sub_error, problems)
+        else:
+            problems.add(path, f"expected a non-empty string or a non-empty list of strings, got {_describe(err.instance)}")
     elif kind in ("minimum", "maximum"):
-        bounds = err.schema
-        problems.add(path, f"must be between {bounds.get('minimum')} and {bounds.get('maximum')}, not {err.instance}")
+        low, high = schema.get("minimum"), schema.get("maximum")
+        if "x-expected" in schema:  # a duration given as a number of seconds
+            problems.add(path, f"{err.instance} is out of range: seconds must be from {low} to {high}")
+        else:
+            problems.add(path, f"must be between {low} and {high}, not {err.instance}")
     elif kind == "minProperties":
         problems.add(path, "must define at least one job")
     elif kind in ("minItems", "minLength"):
         problems.add(path, "must not be empty")
+    elif kind == "maxLength":
+        problems.add(path, f"is too long: at most {err.validator_value} characters, got {len(err.instance)}")
+    elif kind == "maxItems":
+        problems.add(path, f"has too many entries: at most {err.validator_value}, got {len(err.instance)}")
+    elif kind == "maxProperties":
+        problems.add(path, f"has too many keys: at most {err.validator_value}, got {len(err.instance)}")
     else:
-        problems.add(path, err.message)
+        problems.add(path, err.message if len(err.message) < 200 else err.message[:197] + "...")
 
 
 def _ms(value: str | int) -> int:
@@ -155,9 +187,21 @@ def _ms(value: str | int) -> int:
     return value * 1000 if isinstance(value, int) else parse_duration(value)
 
 
-def _check_range(problems: _Problems, path: tuple[Any, ...], value: str | int, bounds: tuple[int, int], why: str) -> None:
-    if not bounds[0] <= _ms(value) <= bounds[1]:
-        problems.add(path, f"{value!r} is out of range: {why}")
+def _check_duration(problems: _Problems, path: tuple[Any, ...], value: Any, bounds: tuple[int, int] | None = None,
+                    why: str = "") -> None:
+    """Range-check a duration the schema let through; a malformed one is the schema's to report, once."""
+    if isinstance(value, bool) or not isinstance(value, (str, int)):
+        return
+    try:
+        ms = _ms(value)
+    except DurationError as exc:
+        if "finer than" in str(exc):
+            problems.add(path, str(exc))
+        return
+    if bounds is not None and not bounds[0] <= ms <= bounds[1]:
+        problems.add(path, f"{_shown(value)} is out of range: {why.format(range=range_text(bounds))}")
+    elif bounds is None and ms > DURATION_MAX_MS and isinstance(value, str):
+        problems.add(path, f"{_shown(value)} is out of range: at most {format_duration(DURATION_MAX_MS)}")
 
 
 def _split_command(problems: _Problems, path: tuple[Any, ...], command: str | list[str]) -> tuple[str, ...]:
@@ -194,31 +238,42 @@ def _check_representable(problems: _Problems, job: dict[str, Any], jpath: tuple[
 
 
 def _semantic_checks(problems: _Problems, data: dict[str, Any]) -> None:
-    lock_blocks = [(("defaults", "lock"), (data.get("defaults") or {}).get("lock"))]
+    defaults = data.get("defaults") if isinstance(data.get("defaults"), dict) else {}
+    lock_blocks = [(("defaults", "lock"), defaults.get("lock"))]
+    timer_blocks = [(("defaults", "timer"), defaults.get("timer"))]
+    if isinstance(data.get("consul"), dict) and isinstance(data["consul"].get("address"), str):
+        try:
+            parse_address(data["consul"]["address"])
+        except AddressError as exc:
+            problems.add(("consul", "address"), str(exc))
     jobs = data.get("jobs") if isinstance(data.get("jobs"), dict) else {}
     for name, job in jobs.items():
         if not isinstance(job, dict):
             continue
         jpath = ("jobs", name)
         lock_blocks.append((jpath + ("lock",), job.get("lock")))
+        timer_blocks.append((jpath + ("timer",), job.get("timer")))
+        _check_duration(problems, jpath + ("timeout",), job.get("timeout"))
         schedules = job.get("schedule")
-        for i, spec in enumerate([schedules] if isinstance(schedules, str) else schedules or []):
-            if isinstance(spec, str):
-                try:
-                    calendar.validate(spec)
-                except calendar.CalendarError as exc:
-                    problems.add(jpath + ("schedule",) + ((i,) if isinstance(schedules, list) else ()), str(exc))
+        for i, spec in enumerate([schedules] if isinstance(schedules, str) else schedules if isinstance(schedules, list) else []):
+            problem = schedule_problem(spec) if isinstance(spec, str) else None
+            if problem:
+                problems.add(jpath + ("schedule",) + ((i,) if isinstance(schedules, list) else ()), problem)
         if isinstance(job.get("command"), str):
             _split_command(problems, jpath + ("command",), job["command"])
         _check_representable(problems, job, jpath)
     for path, block in lock_blocks:
         if not isinstance(block, dict):
             continue
-        if isinstance(block.get("ttl"), (str, int)) and not isinstance(block.get("ttl"), bool):
-            _check_range(problems, path + ("ttl",), block["ttl"], TTL_RANGE_MS, "Consul accepts a session TTL from 10s to 24h")
-        if isinstance(block.get("lock_delay"), (str, int)) and not isinstance(block.get("lock_delay"), bool):
-            _check_range(problems, path + ("lock_delay",), block["lock_delay"], LOCK_DELAY_RANGE_MS,
-                         "lock_delay must be 5s to 60s; less would let another node start before a partitioned holder stops")
+        _check_duration(problems, path + ("ttl",), block.get("ttl"), TTL_RANGE_MS, "Consul accepts a session TTL from {range}")
+        _check_duration(problems, path + ("lock_delay",), block.get("lock_delay"), LOCK_DELAY_RANGE_MS,
+                        "lock_delay must be {range}; less would let another node start before a partitioned "
+                        "holder stops")
+        _check_duration(problems, path + ("wait",), block.get("wait"))
+    for path, block in timer_blocks:
+        if isinstance(block, dict):
+            for name in ("accuracy", "randomized_delay"):
+                _check_duration(problems, path + (name,), block.get(name))
 
 
 def _lock(raw: dict[str, Any]) -> LockSettings:
@@ -310,6 +365,8 @@ def load_manifest(path: Path) -> Manifest:
     """Read and validate the manifest at `path`."""
     try:
         text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ManifestError([f"{path}: cannot read manifest: {exc}"]) from None
+    except OSError as exc:
+        raise ManifestError([f"{path}: {os_reason(exc)}"]) from None
+    except UnicodeDecodeError as exc:
+        raise ManifestError([f"{path}: not UTF-8 text (byte {exc.start})"]) from None
     return parse_manifest(text, str(path))

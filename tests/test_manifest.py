@@ -21,10 +21,35 @@ CASES = {
     "unknown-lock-key": ("jobs:\n  a:\n" + OK_JOB + "    lock: {tll: 20s}\n", 5, 12, ["jobs.a.lock", "did you mean 'ttl'"]),
     "missing-command": ("jobs:\n  a:\n    schedule: daily\n", 3, 5, ["jobs.a", "missing required key 'command'"]),
     "missing-schedule": ("jobs:\n  a:\n    command: /bin/true\n", 3, 5, ["missing required key 'schedule'"]),
-    "wrong-type": ("jobs:\n  a:\n" + OK_JOB + "    user: [root]\n", 5, 11, ["jobs.a.user", "must be a user name"]),
+    "wrong-type": ("jobs:\n  a:\n" + OK_JOB + "    user: [root]\n", 5, 11, ["jobs.a.user: expected a user name, got a list"]),
     "wrong-type-bool": ("jobs:\n  a:\n" + OK_JOB + "    timer: {persistent: maybe}\n", 5, 25,
-                        ["jobs.a.timer.persistent", "must be boolean, not a string"]),
-    "bad-duration": ("jobs:\n  a:\n" + OK_JOB + "    timeout: 5 minutes\n", 5, 14, ["jobs.a.timeout", "must be a duration"]),
+                        ["jobs.a.timer.persistent", "expected a boolean, got a string"]),
+    "bad-duration": ("jobs:\n  a:\n" + OK_JOB + "    timeout: 5 minutez\n", 5, 14, ["jobs.a.timeout", "is not a duration"]),
+    "duration-boolean": ("jobs:\n  a:\n" + OK_JOB + "    timeout: yes\n", 5, 14,
+                         ["jobs.a.timeout: expected a duration", "got a boolean"]),
+    "duration-too-long": ("jobs:\n  a:\n" + OK_JOB + "    timeout: 400 days\n", 5, 14, ["out of range", "at most 8784h"]),
+    "ttl-malformed": ("jobs:\n  a:\n" + OK_JOB + "    lock: {ttl: 2x}\n", 5, 17, ["jobs.a.lock.ttl", "is not a duration"]),
+    "lock-delay-malformed": ("jobs:\n  a:\n" + OK_JOB + "    lock: {lock_delay: 2x}\n", 5, 24,
+                             ["jobs.a.lock.lock_delay", "is not a duration"]),
+    "defaults-ttl-malformed": ("defaults:\n  lock: {ttl: 2x}\njobs:\n  a:\n" + OK_JOB, 2, 15,
+                               ["defaults.lock.ttl", "is not a duration"]),
+    "defaults-lock-delay-malformed": ("defaults:\n  lock: {lock_delay: '5 sex'}\njobs:\n  a:\n" + OK_JOB, 2, 22,
+                                      ["defaults.lock.lock_delay", "is not a duration"]),
+    "sub-millisecond": ("jobs:\n  a:\n" + OK_JOB + "    timer: {accuracy: 500us}\n", 5, 23, ["finer than a millisecond"]),
+    "schedule-empty-list": ("jobs:\n  a:\n    command: [/bin/true]\n    schedule: []\n", 4, 15,
+                            ["jobs.a.schedule: needs at least one calendar spec"]),
+    "command-empty-list": ("jobs:\n  a:\n    command: []\n    schedule: daily\n", 3, 14, ["needs at least one argument"]),
+    "unknown-time-zone": ("jobs:\n  a:\n    command: [/bin/true]\n    schedule: '*-*-* 02:00 Mars/Olympus'\n", 4, 15,
+                          ["unknown time zone 'Mars/Olympus'"]),
+    "unit-prefix": ("unit_prefix: 'a b'\njobs:\n  a:\n" + OK_JOB, 1, 14, ["unit_prefix", "unit names)"]),
+    "address-port-range": ("consul: {address: '127.0.0.1:99999'}\njobs:\n  a:\n" + OK_JOB, 1, 19,
+                           ["consul.address", "port must be a number from 1 to 65535"]),
+    "address-port-zero": ("consul: {address: 'http://127.0.0.1:0'}\njobs:\n  a:\n" + OK_JOB, 1, 19, ["port must be"]),
+    "address-ipv6-unbracketed": ("consul: {address: '::1'}\njobs:\n  a:\n" + OK_JOB, 1, 19, ["in brackets"]),
+    "description-too-long": ("jobs:\n  a:\n" + OK_JOB + "    description: " + "x" * 2_000_000 + "\n", 5, 18,
+                             ["jobs.a.description: is too long: at most 512 characters, got 2000000"]),
+    "too-many-args": ("jobs:\n  a:\n    schedule: daily\n    command: [" + ", ".join(["x"] * 300) + "]\n", 4, 14,
+                      ["jobs.a.command: has too many entries: at most 256"]),
     "ttl-range": ("jobs:\n  a:\n" + OK_JOB + "    lock: {ttl: 2s}\n", 5, 17, ["jobs.a.lock.ttl", "out of range"]),
     "lock-delay-zero": ("defaults:\n  lock: {lock_delay: 0}\njobs:\n  a:\n" + OK_JOB, 2, 22,
                         ["defaults.lock.lock_delay", "out of range", "partitioned holder"]),
@@ -78,10 +103,30 @@ def test_all_errors_reported_at_once(tmp_path: Path) -> None:
     assert all(line.startswith(f"Error: {manifest}:") for line in lines)
 
 
-def test_unreadable_manifest(tmp_path: Path) -> None:
-    result = CliRunner().invoke(main, ["generate", str(tmp_path / "missing.yaml"), "-o", "-"])
-    assert result.exit_code == 2
-    assert "cannot read manifest" in result.stderr
+@pytest.mark.parametrize("command", [["generate", "-o", "-"], ["install", "--dry-run"], ["acl-policy"]])
+def test_unreadable_manifest_is_one_line(command: list[str], tmp_path: Path) -> None:
+    """A missing file and a directory read the same: one line, no errno text, no usage block."""
+    for path, reason in ((tmp_path / "missing.yaml", "no such file"), (tmp_path, "is a directory")):
+        result = CliRunner().invoke(main, [command[0], str(path), *command[1:]])
+        assert result.exit_code == 2, result.output
+        assert result.stderr == f"Error: {path}: {reason}\n"
+
+
+def test_systemd_duration_forms_are_accepted(tmp_path: Path) -> None:
+    manifest = tmp_path / "jobs.yaml"
+    manifest.write_text("jobs:\n  a:\n" + OK_JOB + "    timeout: 1h 30min\n    lock: {ttl: 10 min, wait: 2 sec}\n"
+                        "    timer: {randomized_delay: 1.5min, accuracy: 15}\n")
+    job = load_manifest(manifest).jobs[0]
+    assert (job.timeout_ms, job.lock.ttl_ms, job.lock.wait_ms) == (5_400_000, 600_000, 2_000)
+    assert (job.timer.randomized_delay_ms, job.timer.accuracy_ms) == (90_000, 15_000)
+
+
+@pytest.mark.parametrize("address", ["http://[::1]:8500", "unix:///run/consul/http.sock", "https://consul.internal",
+                                     "10.0.0.1:8501"])
+def test_good_addresses(address: str, tmp_path: Path) -> None:
+    manifest = tmp_path / "jobs.yaml"
+    manifest.write_text(f"consul: {{address: '{address}'}}\njobs:\n  a:\n" + OK_JOB)
+    assert load_manifest(manifest).consul.address == address
 
 
 def test_defaults_merge_key_by_key(tmp_path: Path) -> None:
@@ -112,3 +157,129 @@ def test_schedule_validation_agrees_with_systemd(spec: str, tmp_path: Path) -> N
     manifest.write_text(f"jobs:\n  a:\n    command: [/bin/true]\n    schedule: '{spec}'\n")
     result = CliRunner().invoke(main, ["generate", str(manifest), "-o", "-", "--consulrun-path", "/x/consulrun"])
     assert (result.exit_code == 0) == systemd_ok, result.stderr
+
+
+# --- property: any one field replaced by a wrong value is a positioned error, never a traceback -------------
+
+FULL = {
+    "unit_prefix": "ops", "kv_prefix": "ops/cron",
+    "consul": {"address": "https://consul.internal:8501", "token_file": "/etc/t", "ca_file": "/etc/ca.pem",
+               "cert_file": "/etc/c.pem", "key_file": "/etc/k.pem", "tls_server_name": "server.dc1.consul"},
+    "defaults": {"lock": {"ttl": "20s", "lock_delay": "10s", "wait": "0s", "concurrency": 1, "skip_exit_code": 0,
+                          "checks": ["mem-ok"]},
+                 "timer": {"accuracy": "5s", "randomized_delay": "1s", "persistent": True},
+                 "on_holder_loss": "skip", "history": 20},
+    "jobs": {"a": {"command": ["/bin/true", "x"], "schedule": ["daily"], "description": "A job", "user": "root",
+                   "group": "adm", "working_directory": "/srv", "environment": {"K": "v"},
+                   "environment_file": "-/etc/env", "timeout": "1h", "on_holder_loss": "retry", "history": 5,
+                   "lock": {"ttl": "30s", "lock_delay": "15s", "wait": "1m", "concurrency": 2, "skip_exit_code": 3,
+                            "checks": ["serfHealth"]},
+                   "timer": {"accuracy": "1s", "randomized_delay": "2m", "persistent": False}}},
+}
+DURATIONS = {"ttl", "lock_delay", "wait", "accuracy", "randomized_delay", "timeout"}
+OUT_OF_RANGE = {"ttl": ["9s", 86401, "2x"], "lock_delay": ["4s", "61s", 0, "1 sex"], "wait": [-1, "367d", "2y"],
+                "accuracy": ["2x", 10**30], "randomized_delay": ["-1s", "500us"], "timeout": ["soon", "400d"],
+                "concurrency": [0, 1001], "skip_exit_code": [-1, 256], "history": [0, 1001],
+                "unit_prefix": ["", "a/b", "x" * 65], "kv_prefix": ["", "/lead", "a//b"],
+                "address": ["h:0", "h:99999", ":abc", "::1", "ftp://h"], "user": ["1root", "a b"],
+                "on_holder_loss": ["maybe"], "command": ["", [], "'unclosed"], "schedule": [[], "", "Mars 25:00"],
+                "description": ["x" * 600, "two\nlines"], "working_directory": ["srv", "/a\x01"],
+                "tls_server_name": ["a b"], "checks": [[""], ["a b"]]}
+WRONG_TYPES = [True, None, 1.5, {"k": "v"}, [{}], "text", 7, ["text"]]
+
+
+def _accepts(path: tuple, value: object) -> bool:
+    """Whether the schema takes a value of this type at `path` (so it is not a wrong-type case)."""
+    name, parent = path[-1], path[-2] if len(path) > 1 else None
+    original = _get(FULL, path)
+    kinds = {type(original)}
+    if name in DURATIONS:
+        kinds = {str, int}
+    elif name in ("command", "schedule"):
+        kinds = {str, list}
+    elif parent == "environment":
+        kinds = {str, int}
+    if isinstance(value, bool) or isinstance(original, bool):
+        return isinstance(value, bool) and isinstance(original, bool)
+    return type(value) in kinds and not (type(value) is list and value and not isinstance(value[0], str))
+
+
+def _get(data: object, path: tuple) -> object:
+    for part in path:
+        data = data[part]  # type: ignore[index]
+    return data
+
+
+def _paths(data: object, prefix: tuple = ()) -> list[tuple]:
+    out = [prefix] if prefix else []
+    if isinstance(data, dict):
+        for key, value in data.items():
+            out += _paths(value, prefix + (key,))
+    return out
+
+
+def _replaced(path: tuple, value: object) -> dict:
+    import copy
+
+    data = copy.deepcopy(FULL)
+    _get(data, path[:-1])[path[-1]] = value  # type: ignore[index]
+    return data
+
+
+def test_every_field_replaced_by_a_wrong_value_is_a_positioned_error(tmp_path: Path) -> None:
+    import re
+
+    import yaml
+
+    manifest = tmp_path / "jobs.yaml"
+    manifest.write_text(yaml.safe_dump(FULL))
+    ok = CliRunner().invoke(main, ["generate", str(manifest), "-o", "-", "--consulrun-path", "/x/consulrun"])
+    assert ok.exit_code == 0, ok.stderr
+    positioned = re.compile(rf"Error: {re.escape(str(manifest))}:\d+:\d+: \S")
+    cases = [(path, value) for path in _paths(FULL) for value in WRONG_TYPES if not _accepts(path, value)]
+    cases += [(path, value) for path in _paths(FULL) for value in OUT_OF_RANGE.get(path[-1], [])]
+    assert len(cases) > 300
+    for path, value in cases:
+        manifest.write_text(yaml.safe_dump(_replaced(path, value), width=10**7))
+        result = CliRunner().invoke(main, ["generate", str(manifest), "-o", "-", "--consulrun-path", "/x/consulrun"])
+        where = f"{'.'.join(map(str, path))} = {value!r:.40}"
+        assert result.exception is None or isinstance(result.exception, SystemExit), (where, result.exception)
+        assert result.exit_code == 2, (where, result.output)
+        lines = result.stderr.splitlines()
+        assert lines and all(positioned.match(line) for line in lines), (where, result.stderr)
+        assert all(len(line) < 400 for line in lines), where
+
+
+def _yaml_values():  # noqa: ANN202 - a hypothesis strategy
+    from hypothesis import strategies as st
+
+    scalars = st.one_of(st.none(), st.booleans(), st.integers(min_value=-10**40, max_value=10**40),
+                        st.floats(allow_nan=False), st.text(max_size=40),
+                        st.sampled_from(["15s", "2x", "10 min", "daily", "/abs", "a b", "-1", "1y", "unix:///s"]))
+    return st.recursive(scalars, lambda inner: st.one_of(st.lists(inner, max_size=3),
+                                                          st.dictionaries(st.text(max_size=8), inner, max_size=3)),
+                        max_leaves=6)
+
+
+def test_any_value_anywhere_is_accepted_or_a_positioned_error(tmp_path: Path) -> None:
+    """Fuzzing on top of the table above: whatever replaces a field, the answer is exit 0 or exit 2, never a crash."""
+    import re
+
+    import yaml
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    manifest = tmp_path / "jobs.yaml"
+    positioned = re.compile(rf"Error: {re.escape(str(manifest))}:\d+:\d+: \S")
+
+    @settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+    @given(st.sampled_from(_paths(FULL)), _yaml_values())
+    def check(path: tuple, value: object) -> None:
+        manifest.write_text(yaml.safe_dump(_replaced(path, value), width=10**7))
+        result = CliRunner().invoke(main, ["generate", str(manifest), "-o", "-", "--consulrun-path", "/x/consulrun"])
+        assert result.exception is None or isinstance(result.exception, SystemExit), (path, value, result.exception)
+        assert result.exit_code in (0, 2), (path, value, result.output)
+        if result.exit_code == 2:
+            assert all(positioned.match(line) for line in result.stderr.splitlines()), (path, value, result.stderr)
+
+    check()

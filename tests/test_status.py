@@ -159,7 +159,7 @@ def test_status_uses_the_manifest_consul_settings(consul: Agent, tmp_path: Path,
     assert code == 0
     missing = write_manifest(tmp_path, jobs, f"consul: {{address: '{consul.http_addr}', token_file: /nonexistent/t}}\n")
     code, _, err = cli("status", str(missing))
-    assert code == 2 and "cannot read Consul token file /nonexistent/t" in err
+    assert code == 2 and "Consul token file /nonexistent/t: no such file" in err
     code, out, _ = cli("status", str(missing), "--json")
     assert code == 2 and json.loads(out)["verdict"] == "usage_error" and json.loads(out)["jobs"] is None
 

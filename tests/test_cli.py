@@ -1,0 +1,294 @@
+"""The command line as a new user meets it: where options go, addresses, durations, stdin, prefixes, output errors."""
+
+from __future__ import annotations
+
+import base64
+
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import requests
+from click.testing import CliRunner
+
+from consulrun.cli import main
+from tests.harness.agents import Agent, free_port, start_dev_agent
+
+REPO = Path(__file__).resolve().parents[1]
+MANIFEST = "jobs:\n  tick:\n    command: [/bin/true]\n    schedule: daily\n"
+
+
+def invoke(*args: str, stdin: str | None = None, env: dict[str, str] | None = None) -> tuple[int, str, str]:
+    result = CliRunner().invoke(main, list(args), input=stdin, env=env)
+    assert result.exception is None or isinstance(result.exception, SystemExit), repr(result.exception)
+    return result.exit_code, result.stdout, result.stderr
+
+
+@pytest.fixture
+def manifest(tmp_path: Path) -> Path:
+    path = tmp_path / "jobs.yaml"
+    path.write_text(MANIFEST)
+    return path
+
+
+# --- run: options go before JOB ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("args", [["myjob", "--ttl", "10s", "--", "true"], ["myjob", "-h"], ["myjob", "--wait=5s", "true"]])
+def test_option_after_job_is_refused_not_run_as_the_command(args: list[str]) -> None:
+    code, out, err = invoke("run", *args, env={"CONSUL_HTTP_ADDR": f"127.0.0.1:{free_port()}"})
+    assert code == 2
+    assert err.startswith(f"Error: options go before JOB: {args[1].split('=')[0]!r}") or \
+        err.startswith(f"Error: options go before JOB: {args[1]!r}"), err
+    assert "cannot start" not in err and out == ""
+
+
+# --- addresses -----------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("address, why", [("127.0.0.1:99999", "port must be a number from 1 to 65535"),
+                                          (":abc", "is not [http[s]://]host[:port]"),
+                                          ("127.0.0.1:0", "port must be a number from 1 to 65535"),
+                                          ("::1", "in brackets"), ("ftp://h", "scheme must be")])
+def test_bad_address_is_a_usage_error_not_port_8500(address: str, why: str) -> None:
+    for args, env in ((["--http-addr", address], {}), ([], {"CONSUL_HTTP_ADDR": address})):
+        code, _, err = invoke("run", *args, "job", "--", "true", env=env)
+        assert code == 2, err
+        assert err.startswith(f"Error: Consul address {address!r}") and why in err and err.count("\n") == 1, err
+
+
+@pytest.fixture(scope="module")
+def ipv6_agent(consul_bin: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Agent]:
+    """A dev agent serving HTTP on 127.0.0.1, [::1] and a unix socket."""
+    work = tmp_path_factory.mktemp("addr")
+    sock = work / "http.sock"
+    agent = start_dev_agent(consul_bin, work, "addr1",
+                            extra_config={"addresses": {"http": f"127.0.0.1 ::1 unix://{sock}"}})
+    agent.extra["socket"] = sock
+    yield agent
+    agent.stop()
+
+
+@pytest.mark.consul
+def test_ipv6_literal_address_reaches_the_agent(ipv6_agent: Agent, tmp_path: Path) -> None:
+    port = ipv6_agent.extra["ports"]["http"]
+    marker = tmp_path / "ran"
+    code, _, err = invoke("run", "--http-addr", f"http://[::1]:{port}", "v6job", "--", "touch", str(marker))
+    assert code == 0, err
+    assert marker.exists()
+    held = requests.get(f"http://[::1]:{port}/v1/kv/consulrun/v6job/lock", timeout=10).json()[0]
+    assert held.get("Session") is None  # released after the run
+
+
+@pytest.mark.consul
+def test_unix_socket_address_reaches_the_agent(ipv6_agent: Agent, tmp_path: Path) -> None:
+    marker = tmp_path / "ran"
+    code, _, err = invoke("run", "--http-addr", f"unix://{ipv6_agent.extra['socket']}", "unixjob", "--", "touch",
+                          str(marker))
+    assert code == 0, err
+    assert marker.exists()
+    port = ipv6_agent.extra["ports"]["http"]
+    held = requests.get(f"http://127.0.0.1:{port}/v1/kv/consulrun/unixjob/lock", timeout=10).json()[0]
+    assert held.get("Session") is None and '"exit_status": 0' in base64.b64decode(held["Value"]).decode()
+
+
+@pytest.mark.consul
+def test_unix_socket_adapter_talks_to_the_agent(ipv6_agent: Agent) -> None:
+    """The transport a unix:///path address needs (the Client mounts it on its session)."""
+    import consul
+
+    from consulrun.consulapi import ConsulConfig, UnixSocketAdapter
+
+    config = ConsulConfig.from_env({}, address=f"unix://{ipv6_agent.extra['socket']}")
+    assert config.endpoint(allow_unix=True) == ("http", "localhost", 80)
+    assert config.socket_path == str(ipv6_agent.extra["socket"])
+    api = consul.Consul(host="localhost", port=80)
+    api.http.session.mount("http://", UnixSocketAdapter(config.socket_path))
+    assert api.kv.put("consulrun-unix/probe", "x") is True
+    assert api.kv.get("consulrun-unix/probe")[1]["Value"] == b"x"
+
+
+# --- durations -----------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("value, message", [("abc", "--ttl: 'abc' is not a duration"),
+                                            ("5s", "--ttl: 5s is out of range: must be 10s to 24h"),
+                                            ("2 days", "--ttl: 48h is out of range: must be 10s to 24h")])
+def test_bad_ttl_reads_the_same_whether_malformed_or_out_of_range(value: str, message: str) -> None:
+    code, out, err = invoke("run", "--ttl", value, "job", "--", "true")
+    assert (code, out) == (2, "")
+    assert err.startswith(f"Error: {message}") and err.count("\n") == 1, err
+
+
+def test_lock_delay_bounds_in_the_one_duration_style() -> None:
+    code, _, err = invoke("run", "--lock-delay", "90s", "job", "--", "true")
+    assert (code, err) == (2, "Error: --lock-delay: 1m30s is out of range: must be 5s to 1m\n")
+
+
+@pytest.mark.consul
+def test_systemd_duration_forms_on_the_command_line(consul: Agent, tmp_path: Path) -> None:
+    marker = tmp_path / "ran"
+    code, _, err = invoke("run", "--ttl", "10 min", "--lock-delay", "15 sec", "--wait", "1h 30min", "durjob", "--",
+                          "touch", str(marker))
+    assert code == 0, err
+    assert marker.exists()
+
+
+# --- stdin and prefixes ----------------------------------------------------------------------------------------
+
+def test_generate_reads_the_manifest_from_stdin() -> None:
+    code, out, err = invoke("generate", "-", "-o", "-", "--consulrun-path", "/x/consulrun", stdin=MANIFEST)
+    assert code == 0, err
+    assert "# --- consulrun-tick.timer\n" in out
+
+
+def test_acl_policy_reads_stdin_too() -> None:
+    code, out, _ = invoke("acl-policy", "-", stdin="kv_prefix: ops/cron\n" + MANIFEST)
+    assert code == 0 and 'key_prefix "ops/cron/"' in out
+
+
+@pytest.mark.parametrize("prefix", ["", "/lead", "a//b", "a b", "x/"])
+def test_prefix_is_checked_like_the_manifests_kv_prefix(prefix: str, tmp_path: Path) -> None:
+    rule = "must be KV path segments of letters, digits, '_', '.', '-' separated by '/'"
+    for command in (["acl-policy", "--prefix", prefix], ["run", "--prefix", prefix, "job", "--", "true"]):
+        code, out, err = invoke(*command)
+        assert (code, out) == (2, ""), (command, out)
+        assert err == f"Error: --prefix: {prefix!r} {rule}\n"
+    manifest = tmp_path / "jobs.yaml"
+    manifest.write_text(f"kv_prefix: '{prefix}'\n" + MANIFEST)
+    code, _, err = invoke("acl-policy", str(manifest))
+    assert code == 2 and (rule in err or "must not be empty" in err)
+
+
+def test_missing_token_file_reads_without_errno_text(tmp_path: Path) -> None:
+    code, _, err = invoke("run", "--token-file", str(tmp_path / "nope"), "job", "--", "true",
+                          env={"CONSUL_HTTP_ADDR": f"127.0.0.1:{free_port()}"})
+    assert (code, err) == (2, f"Error: Consul token file {tmp_path / 'nope'}: no such file\n")
+
+
+def test_missing_templates_folder_is_one_line(manifest: Path, tmp_path: Path) -> None:
+    code, _, err = invoke("generate", str(manifest), "-o", "-", "--templates", str(tmp_path / "nope"))
+    assert (code, err) == (2, f"Error: --templates: {tmp_path / 'nope'}: no such file\n")
+
+
+# --- output that cannot be written -----------------------------------------------------------------------------
+
+def _cli(*args: str, stdout: int, stdin: str = "") -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    return subprocess.run([sys.executable, "-m", "consulrun", *args], stdout=stdout, stderr=subprocess.PIPE,
+                          input=stdin, text=True, env=env, timeout=60)
+
+
+def _commands(manifest: Path) -> list[list[str]]:
+    helps = [["--help"], ["--version"]] + [[name, "--help"] for name in sorted(main.commands)]
+    return helps + [["generate", str(manifest), "-o", "-"], ["acl-policy"], ["generate", "-", "-o", "-"]]
+
+
+def test_full_disk_exits_74_with_one_line_for_every_command(manifest: Path) -> None:
+    with open("/dev/full", "w") as full:
+        for args in _commands(manifest):
+            result = _cli(*args, stdout=full.fileno(), stdin=MANIFEST)
+            assert result.returncode == 74, (args, result.stderr)
+            assert result.stderr == "Error: writing output failed: no space left on device\n", (args, result.stderr)
+
+
+def test_closed_pipe_exits_74_quietly_for_every_command(manifest: Path) -> None:
+    for args in _commands(manifest):
+        read_end, write_end = os.pipe()
+        os.close(read_end)  # the reader is gone before anything is written, as with `| head -0`
+        try:
+            result = _cli(*args, stdout=write_end, stdin=MANIFEST)
+        finally:
+            os.close(write_end)
+        assert (result.returncode, result.stderr) == (74, ""), args
+
+
+# --- documentation a sysadmin expects ----------------------------------------------------------------------------
+
+README = (REPO / "README.md").read_text()
+VENV_BIN = str(Path(sys.prefix) / "bin")
+
+
+@pytest.mark.parametrize("shell, registered", [("bash", "complete -o nosort -F _consulrun_completion consulrun"),
+                                                ("zsh", "compdef _consulrun_completion consulrun"),
+                                                ("fish", "complete --no-files --command consulrun")])
+def test_readme_completion_line_enables_completion(shell: str, registered: str) -> None:
+    lines = [line.split("#")[0].strip() for line in README.splitlines() if "_CONSULRUN_COMPLETE=" in line
+             and f"{shell}_source" in line]
+    assert len(lines) == 1, f"README must give one line for {shell}"
+    env = {**os.environ, "PATH": f"{VENV_BIN}:{os.environ['PATH']}"}
+    command = lines[0].replace(" | source", "").replace('eval "$(', "").rstrip(')"')
+    script = subprocess.run(["sh", "-c", command], capture_output=True, text=True, env=env, timeout=60)
+    assert script.returncode == 0 and registered in script.stdout, script.stderr
+    if shell == "bash":  # and bash really takes it: the function is registered for consulrun
+        shown = subprocess.run(["bash", "-c", f"{lines[0]}\ncomplete -p consulrun"], capture_output=True, text=True,
+                               env=env, timeout=60)
+        assert shown.stdout.strip() == registered, shown.stderr
+
+
+def test_man_pages_are_built_from_the_help_by_the_documented_command(tmp_path: Path) -> None:
+    documented = [line for line in README.splitlines() if "python -m consulrun.manpage" in line]
+    assert documented, "README must say how to build the man pages"
+    result = subprocess.run([sys.executable, "-m", "consulrun.manpage", str(tmp_path)], capture_output=True, text=True,
+                            env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=60)
+    assert result.returncode == 0, result.stderr
+    names = {"consulrun.1"} | {f"consulrun-{name}.1" for name in main.commands}
+    assert {p.name for p in tmp_path.iterdir()} == names
+    for page in sorted(tmp_path.iterdir()):
+        shown = subprocess.run(["man", "--warnings", "-l", str(page)], capture_output=True, text=True, timeout=60,
+                               env={**os.environ, "MANWIDTH": "100"})
+        assert (shown.returncode, shown.stderr) == (0, ""), page
+    main_page = subprocess.run(["man", "-l", str(tmp_path / "consulrun.1")], capture_output=True, text=True,
+                               env={**os.environ, "MANWIDTH": "100"}).stdout
+    assert "EXIT STATUS" in main_page and "74  writing output failed" in main_page
+    run_page = (tmp_path / "consulrun-run.1").read_text()
+    assert r"\-\-ttl" in run_page and "EXIT STATUS" in run_page
+
+
+def test_units_documentation_points_at_our_man_pages(tmp_path: Path) -> None:
+    import re
+
+    from consulrun.manifest import parse_manifest
+    from consulrun.render import render
+
+    units = render(parse_manifest(MANIFEST, "jobs.yaml"), "/x/consulrun")
+    refs = {ref for text in units.values() for line in text.splitlines() if line.startswith("Documentation=")
+            for ref in line.split("=", 1)[1].split()}
+    assert refs == {"man:consulrun(1)", "man:consulrun-run(1)"}
+    pages = {re.fullmatch(r"man:(.+)\(1\)", ref).group(1) for ref in refs}  # type: ignore[union-attr]
+    assert all(name == "consulrun" or name.split("-", 1)[1] in main.commands for name in pages)
+
+
+def test_readme_first_command_shows_units_with_their_file_names(tmp_path: Path) -> None:
+    """What it shows after installing (test_package runs the whole line on a fresh copy): names between units."""
+    first = README.split("```sh\n", 1)[1].split("```", 1)[0].strip()
+    shown = first[first.index(".venv/bin/consulrun "):]
+    consulrun = Path(VENV_BIN) / "consulrun"
+    shutil.copytree(REPO / "examples", tmp_path / "examples")
+    result = subprocess.run(["bash", "-c", shown.replace(".venv/bin/consulrun", str(consulrun), 1)],
+                            capture_output=True, text=True, cwd=tmp_path, timeout=60)
+    assert result.returncode == 0, result.stderr
+    names = [line for line in result.stdout.splitlines() if line.startswith("==> ")]
+    assert names == [f"==> units/{n} <==" for n in ("consulrun-billing-report.service", "consulrun-billing-report.timer",
+                                                   "consulrun-cache-warm.service", "consulrun-cache-warm.timer")]
+    # As README says: the units call this venv's consulrun, by absolute path, unless --consulrun-path is given.
+    execs = [line for line in result.stdout.splitlines() if line.startswith("ExecStart=")]
+    assert execs and all(line.startswith(f"ExecStart={consulrun} run ") for line in execs)
+    assert "the consulrun of this venv" in README.replace("\n", " ")
+
+
+def test_consulrun_path_that_cannot_run_is_one_line(manifest: Path, tmp_path: Path) -> None:
+    bogus = tmp_path / "consulrun"
+    bogus.write_bytes(b"\x7fELF not really")
+    bogus.chmod(0o755)
+    code, _, err = invoke("install", str(manifest), "--dry-run", "--unit-dir", str(tmp_path / "units"),
+                          "--consulrun-path", str(bogus))
+    assert (code, err) == (2, f"Error: {bogus}: the consulrun the units would call cannot be run: exec format error\n")
+
+
+@pytest.mark.parametrize("command", [["generate", "-o", "-"], ["install", "--dry-run", "--host", "node1"]])
+def test_consulrun_path_must_be_absolute(command: list[str], manifest: Path) -> None:
+    code, _, err = invoke(command[0], str(manifest), *command[1:], "--consulrun-path", "bin/consulrun")
+    assert (code, err) == (2, "Error: --consulrun-path: 'bin/consulrun' must be an absolute path without control "
+                              "characters\n")

@@ -1,0 +1,55 @@
+"""Durations are read as systemd reads a time span; `systemd-analyze timespan` is the oracle."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+
+import pytest
+
+from consulrun.durations import PATTERN, DurationError, format_duration, parse_duration
+from consulrun.schema import SCHEMA
+from tests.conftest import require_tool
+
+# text -> milliseconds (None: refused). Each one is also put to systemd-analyze below.
+CASES = {
+    "500ms": 500, "15s": 15_000, "1m30s": 90_000, "2h": 7_200_000, "1d": 86_400_000, "0": 0, "15": 15_000,
+    "10 min": 600_000, "1h 30min": 5_400_000, "1.5h": 5_400_000, "5 minutes": 300_000, "2 hr 3 sec": 7_203_000,
+    "1w": 604_800_000, "1M": 2_629_800_000, "1y": 31_557_600_000, " 5s ": 5_000, "5 s 3": 8_000, "1h30": 3_630_000,
+    ".5s": 500, "3 days 2 hours": 266_400_000, "1 msec": 1, "2000us": 2, "1 week": 604_800_000,
+    "5mins": None, "1,5h": None, "5S": None, "1e3s": None, "": None, "soon": None, "5 sex": None,
+}
+
+
+@pytest.mark.parametrize("text", sorted(CASES))
+def test_parse(text: str) -> None:
+    if CASES[text] is None:
+        with pytest.raises(DurationError):
+            parse_duration(text)
+    else:
+        assert parse_duration(text) == CASES[text]
+    assert bool(re.fullmatch(PATTERN, text)) == (CASES[text] is not None)
+
+
+@pytest.mark.systemd
+@pytest.mark.parametrize("text", sorted(t for t in CASES if t))
+def test_systemd_agrees(text: str) -> None:
+    require_tool("systemd-analyze")
+    result = subprocess.run(["systemd-analyze", "timespan", text], capture_output=True, text=True)
+    match = re.search(r"μs: (\d+)", result.stdout)
+    systemd_ms = int(match.group(1)) / 1000 if result.returncode == 0 and match else None
+    assert systemd_ms == CASES[text]
+
+
+def test_finer_than_a_millisecond_is_refused() -> None:
+    with pytest.raises(DurationError, match="finer than a millisecond"):
+        parse_duration("500us")
+
+
+def test_schema_pattern_is_the_parser_grammar() -> None:
+    assert SCHEMA["$defs"]["duration"]["pattern"] == PATTERN
+
+
+@pytest.mark.parametrize("ms", [0, 1, 999, 1000, 90_000, 5_400_000, 86_400_000, 3_723_004])
+def test_canonical_form_reads_back(ms: int) -> None:
+    assert parse_duration(format_duration(ms)) == ms
