@@ -261,6 +261,7 @@ class Locker:
                 return None, reason
             if holders:
                 self.abandon()
+                testhook.pause("waiting")
             else:  # refused while free: lock-delay after an invalidation, or a lost race
                 testhook.pause("lock-delay-wait")
                 self.sleep(min(retry.next_wait(), max(0.0, deadline - clock())))

@@ -491,3 +491,22 @@ def test_no_leader_at_start_is_retried_then_runs(cluster, tmp_path: Path) -> Non
     assert proc.wait(timeout=60) == 0, log.read_text()
     assert ran.exists()
     assert "No cluster leader" in log.read_text() or "rpc error" in log.read_text()
+
+
+def test_fencing_token_example_rejects_a_stale_holders_write(consul: Agent, tmp_path: Path) -> None:
+    """examples/fenced_write.py: the later holder's write stands; the earlier (stale) holder's is refused."""
+    example = Path(__file__).resolve().parents[1] / "examples" / "fenced_write.py"
+    tokens = tmp_path / "tokens"
+    for body in ("first", "second"):
+        code, _, err = finish(consulrun("run", "fenced", "--", "sh", "-c",
+                                        f"echo $CONSULRUN_FENCING_TOKEN >> {tokens}; "
+                                        f"{sys.executable} {example} reports/latest {body}"))
+        assert code == 0, err
+    first, second = (int(t) for t in tokens.read_text().split())
+    assert first < second
+    # The first holder, frozen past lock-delay, wakes and tries to write: refused, the data unchanged.
+    stale = subprocess.run([sys.executable, str(example), "reports/latest", "stale"], capture_output=True, text=True,
+                           env={**os.environ, "CONSULRUN_FENCING_TOKEN": str(first)})
+    assert stale.returncode == 3, stale.stderr
+    assert "refused" in stale.stderr
+    assert kv_json(consul, "reports/latest") == {"token": second, "data": "second"}
