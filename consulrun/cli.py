@@ -39,11 +39,13 @@ Exit statuses:
   5   `status`: a lock is held by a vanished or critical session, or a dead process
   6   `status`, `unlock`, `history`: no state in Consul for the prefix or job asked about
   69  Consul unavailable: nothing was started
-  70  Consul answered something unexpected
+  70  Consul answered something unexpected, or `run` failed after taking the lock
+      (the job's processes were killed first)
   74  writing output failed
   75  lock lost while the job ran: the job was killed
   77  permission denied by Consul ACLs: nothing was started (`status`: ACLs hide part of the state)
   127 `run`: the job's command could not be started
+  128+N `run`: signal N arrived while no job was running to receive it
 """
 
 
@@ -192,9 +194,11 @@ def run(job: str, command: tuple[str, ...], prefix: str, ttl: int, lock_delay: i
     written as systemd writes them (500ms, 15s, 1m30s, 10 min, 1h 30min).
 
     The job gets CONSULRUN_JOB, CONSULRUN_SESSION, CONSULRUN_LOCK_KEY and
-    CONSULRUN_FENCING_TOKEN (grows with every acquisition) in its environment.
+    CONSULRUN_FENCING_TOKEN (the lock key's ModifyIndex: larger for every later
+    holder, so the job can refuse a stale holder's write) in its environment.
     Its own exit status is passed through. If the lock cannot be confirmed,
-    the job's whole process group is killed and the status is 75.
+    every process of the job (also those that left its process group) is
+    killed and the status is 75; the lock is never released while one lives.
     """
     problem = name_problem(job)
     if problem:

@@ -119,6 +119,14 @@ class Locker:
         self.session: str | None = None
         self.node: str | None = None
         self._renewed_at = 0.0
+        self._said_at: dict[str, float] = {}
+
+    def say_waiting(self, topic: str, text: str, every_s: float = 60.0) -> None:
+        """Log a waiting line when a wait of this kind starts, then at most every `every_s` while it goes on."""
+        now = clock()
+        if now - self._said_at.get(topic, -every_s) >= every_s:
+            self._said_at[topic] = now
+            log.info("%s: %s", self.spec.job, text)
 
     def entries(self, index: int | None = None, wait_s: float | None = None) -> tuple[int, dict[str, dict[str, Any]]]:
         if self.spec.concurrency == 1:
@@ -261,10 +269,15 @@ class Locker:
                 return None, reason
             if holders:
                 self.abandon()
+                self.say_waiting("held", f"waiting up to {deadline - clock():.0f}s for the lock, held by "
+                                         f"{'; '.join(holders)}")
                 testhook.pause("waiting")
             else:  # refused while free: lock-delay after an invalidation, or a lost race
                 testhook.pause("lock-delay-wait")
-                self.sleep(min(retry.next_wait(), max(0.0, deadline - clock())))
+                pause = min(retry.next_wait(), max(0.0, deadline - clock()))
+                self.say_waiting("delay", f"the lock is free but refused (lock-delay after an invalidation, or a "
+                                          f"lost race); trying again in {pause:.0f}s", every_s=10)
+                self.sleep(pause)
                 index = None
 
     def release(self, held: Held, outcome: dict[str, Any], extra_ops: list[dict[str, Any]] | None = None) -> bool:

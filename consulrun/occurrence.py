@@ -229,9 +229,14 @@ def acquire(locker: Locker, ledger: Ledger, occ: Occurrence, policy: str,
             return None, None, f"could not claim occurrence {occ.id}"
         if holders:
             locker.abandon()  # a session must not outlive its TTL unrenewed while we wait
-            log.debug("%s: standing by while %s holds the lock", locker.spec.job, describe_holder(snap.lock or {}))
+            what = (f"occurrence {occ.id} runs on {record.get('node')}" if state == "running"
+                    else f"the previous run holds the lock: {describe_holder(snap.lock or {})}")
+            locker.say_waiting("standby", f"{what}; standing by for up to {remaining:.0f}s "
+                                          f"(on_holder_loss={policy})")
             locker.client.kv_get(ledger.lock_key, index=int((snap.lock or {}).get("ModifyIndex", 0)),
                                  wait_s=min(remaining, 300))
         else:  # lock-delay after an invalidation, or a lost race: look again when it should be over
             testhook.pause("lock-delay-wait")
+            locker.say_waiting("delay", f"occurrence {occ.id} is free to take over but lock-delay refuses it; "
+                                        "trying again when it ends", every_s=10)
             locker.sleep(min(retry.next_wait(), remaining))

@@ -55,7 +55,8 @@ class _Signals:
     (the wrapper was stopped: deadlines are checked again at once).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, name: str) -> None:
+        self.name = name
         self.job: Job | None = None
         self.interruptible = True
         self.received: list[int] = []
@@ -84,7 +85,8 @@ class _Signals:
             signum = self.received[self._forwarded]
             self._forwarded += 1
             if self.job.status is None:
-                log.info("%s received; forwarding it to the job's processes", signal.Signals(signum).name)
+                log.info("%s: %s received; forwarding it to the job's processes", self.name,
+                         signal.Signals(signum).name)
                 self.job.signal(signum)
                 self._job_got.add(self._forwarded - 1)
 
@@ -172,7 +174,7 @@ def run(request: RunRequest, config: ConsulConfig) -> int:
     if not shutil.which(request.command[0]):  # fail before touching the lock, not after taking it
         raise JobNotStarted(f"cannot start {request.command[0]}: not found or not executable")
     client = Client(config)
-    signals = _Signals()
+    signals = _Signals(spec.job)
     locker = Locker(client, spec, shield=signals.shield)
     try:
         held: Held | None = None
