@@ -121,8 +121,12 @@ def generate(manifest: Path, output: str, check: bool, templates: Path | None, c
     from consulrun.install import plan
     from consulrun.render import render, write_units
 
+    from consulrun.guarantees import warnings
+
     loaded, _ = _read_manifest(manifest)
     units = render(loaded, consulrun_path, templates)
+    for line in warnings(loaded):
+        click.echo(f"warning: {line}", err=True)
     if output == "-":
         for name, text in units.items():
             click.echo(f"# --- {name}\n{text}", nl=False)

@@ -22,6 +22,7 @@ from pathlib import Path
 from consulrun import __version__
 from consulrun.address import AddressError, parse_address
 from consulrun.errors import ConsulrunError, OutputError, UsageError, os_reason
+from consulrun.guarantees import warnings as guarantee_warnings
 from consulrun.manifest import Manifest
 from consulrun.render import is_generated, render, stage
 
@@ -181,6 +182,7 @@ def install_local(manifest: Manifest, *, root: Path | None, unit_dir: Path, dry_
     report = Report()
     if root is None and (dry_run or not the_plan.empty):  # a dry run is the time to hear it, too
         report.warnings += agent_warnings(manifest.consul.address)
+    report.warnings += guarantee_warnings(manifest)
     if dry_run:
         report.diff.append(the_plan.diff())
         report.lines += ["would run: systemctl " + " ".join(call) for call in the_plan.actions(start, root is not None)]

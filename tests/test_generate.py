@@ -135,3 +135,25 @@ def test_template_with_undefined_variable_is_an_error(tmp_path: Path) -> None:
     assert code == 2
     assert "template error" in err and "no_such_field" in err
     assert not (tmp_path / "out").exists()
+
+
+def test_retry_job_on_a_schedule_too_dense_for_a_takeover_is_warned_about(tmp_path: Path) -> None:
+    """2 x ttl + lock_delay + timeout = 2 x 10s + 5s + 30s = 55s; every minute is fine, every 30 s is not."""
+    from click.testing import CliRunner
+
+    from consulrun.cli import main
+
+    def generate(schedule: str) -> str:
+        path = tmp_path / "jobs.yaml"
+        path.write_text(f"jobs:\n  dense:\n    command: ['true']\n    schedule: '{schedule}'\n    timeout: 30s\n"
+                        f"    on_holder_loss: retry\n    lock: {{ttl: 10s, lock_delay: 5s}}\n"
+                        f"  quiet:\n    command: ['true']\n    schedule: '*:0/1'\n    lock: {{ttl: 10s}}\n")
+        result = CliRunner().invoke(main, ["generate", str(path), "-o", "-"])
+        assert result.exit_code == 0, result.stderr
+        return result.stderr
+
+    assert generate("*:*:00") == ""
+    warned = generate("*:*:0/30")
+    assert warned.count("\n") == 1
+    assert warned.startswith("warning: job dense: on_holder_loss: retry cannot promise at least once: occurrences "
+                             "are 30s apart, but noticing a dead run and running it again can take 55s")

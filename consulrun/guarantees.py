@@ -1,0 +1,52 @@
+"""When a manifest asks for a guarantee its own settings cannot give, say so before it is installed.
+
+`on_holder_loss: retry` promises at least once per occurrence only if a dead
+run can be noticed and run again before the next occurrence replaces it:
+the occurrences must be more than 2 x TTL (the longest a dead wrapper's
+session may live) + lock-delay + the job's run time (its timeout) apart.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime, timezone
+
+from consulrun import calendar
+from consulrun.durations import format_duration
+from consulrun.manifest import Job, Manifest
+
+LOOK_AHEAD = 200  # occurrences examined for the densest gap (a daily spec with one dense day, DST)
+
+
+def retry_takeover_needs_ms(job: Job) -> int:
+    return 2 * job.lock.ttl_ms + job.lock.lock_delay_ms + (job.timeout_ms or 0)
+
+
+def densest_gap_ms(specs: list[str], start: datetime) -> int | None:
+    """The shortest time between consecutive occurrences among the next LOOK_AHEAD, or None if fewer than two."""
+    gaps, when = [], calendar.following(specs, start)
+    for _ in range(LOOK_AHEAD):
+        if when is None:
+            break
+        after = calendar.following(specs, when)
+        if after is None:
+            break
+        gaps.append(int((after - when).total_seconds() * 1000))
+        when = after
+    return min(gaps) if gaps else None
+
+
+def warnings(manifest: Manifest, now: datetime | None = None) -> list[str]:
+    """One line per `retry` job whose schedule is too dense for a takeover to finish before the next occurrence."""
+    now = now or datetime.now(timezone.utc)
+    found = []
+    for job in manifest.jobs:
+        if job.on_holder_loss != "retry" or job.lock.concurrency != 1:
+            continue
+        gap, needs = densest_gap_ms(list(job.schedules), now), retry_takeover_needs_ms(job)
+        if gap is not None and gap <= needs:
+            run_time = f" + timeout {format_duration(job.timeout_ms)}" if job.timeout_ms else " + the job's run time"
+            found.append(f"job {job.name}: on_holder_loss: retry cannot promise at least once: occurrences are "
+                         f"{format_duration(gap)} apart, but noticing a dead run and running it again can take "
+                         f"{format_duration(needs)} (2 x ttl {format_duration(job.lock.ttl_ms)} + lock_delay "
+                         f"{format_duration(job.lock.lock_delay_ms)}{run_time}); a lost run may be superseded by the next")
+    return found
