@@ -70,6 +70,16 @@ def run_argv(manifest: Manifest, job: Job, consulrun_path: str) -> list[str]:
     return argv + [job.name, "--", *job.command]
 
 
+def reap_argv(manifest: Manifest, job: Job, consulrun_path: str) -> list[str]:
+    """`ExecStopPost=`: after a run that did not end cleanly, free a dead wrapper's lock at once.
+
+    A shell tests systemd's $SERVICE_RESULT first, so a clean run (or a skip)
+    costs a shell, not a Python start-up.
+    """
+    return ["/bin/sh", "-c", 'test "$SERVICE_RESULT" = success || exec "$@"', "sh", consulrun_path, "reap",
+            "--prefix", manifest.kv_prefix, "--concurrency", str(job.lock.concurrency), job.name]
+
+
 def _consul_environment(manifest: Manifest) -> list[tuple[str, str]]:
     consul = manifest.consul
     pairs = [("CONSUL_HTTP_ADDR", consul.address), ("CONSUL_CACERT", consul.ca_file),
@@ -91,7 +101,8 @@ def render(manifest: Manifest, consulrun_path: str, templates: Path | None = Non
             context = {"header": HEADER, "manifest": manifest, "job": job, "service_name": service,
                        "timer_name": timer, "run_argv": run_argv(manifest, job, consulrun_path),
                        "consul_environment": _consul_environment(manifest),
-                       "stop_timeout_ms": stop_timeout_ms(job.lock.lock_delay_ms)}
+                       "stop_timeout_ms": stop_timeout_ms(job.lock.lock_delay_ms),
+                       "reap_argv": reap_argv(manifest, job, consulrun_path)}
             units[service] = service_t.render(context)
             units[timer] = timer_t.render(context)
     except jinja2.TemplateError as exc:

@@ -411,10 +411,11 @@ def test_fencing_token_is_the_lock_keys_modify_index(consul: Agent, tmp_path: Pa
 
 @pytest.mark.systemd
 def test_sigkilled_wrapper_in_a_unit_leaves_no_job_process(systemd_container, consul_bin: str, tmp_path: Path) -> None:
-    """The OOM killer takes the wrapper: systemd must SIGKILL the rest of the cgroup before TTL + lock-delay.
+    """The OOM killer takes the wrapper: systemd SIGKILLs the rest of the cgroup within lock-delay, then frees the lock.
 
     The job ignores SIGTERM and leaves a setsid grandchild; without a TimeoutStopSec= derived from the lock
-    settings systemd would wait its default 90 s before SIGKILL.
+    settings systemd would wait its default 90 s before SIGKILL; without ExecStopPost= the dead wrapper's
+    session would hold the lock until its TTL ran out.
     """
     from tests.test_install import CONSULRUN, manifest, start_agent
 
@@ -424,7 +425,7 @@ def test_sigkilled_wrapper_in_a_unit_leaves_no_job_process(systemd_container, co
     try:
         pids = ctr.shared / "oom-pids"
         job = {"command": stubborn_job(Path("/shared/oom-pids")), "schedule": YEARLY,
-               "lock": {"ttl": "10s", "lock_delay": "5s"}}
+               "lock": {"ttl": "60s", "lock_delay": "5s"}}
         (ctr.shared / "oom.yaml").write_text(manifest({"oomjob": job}))
         ctr.exec(CONSULRUN, "install", "/shared/oom.yaml", "--no-start")
         ctr.systemctl("start", "--no-block", "consulrun-oomjob.service")
@@ -438,7 +439,17 @@ def test_sigkilled_wrapper_in_a_unit_leaves_no_job_process(systemd_container, co
 
         assert all(alive(p) for p in job_pids)
         ctr.exec("kill", "-9", main)
-        wait_for(lambda: not any(alive(p) for p in job_pids), 10 + 5, "every job process to be gone (TTL + lock-delay)")
+        # lock-delay: the earliest another node could start if the dead wrapper's session ended at once.
+        wait_for(lambda: not any(alive(p) for p in job_pids), 5, "every job process to be gone within lock-delay")
+
+        def session_left() -> str:
+            out = ctr.exec(consul_bin, "kv", "get", "-detailed", "consulrun/oomjob/lock").stdout
+            return next(line.split()[1] for line in out.splitlines() if line.startswith("Session"))
+
+        # ExecStopPost= frees the dead wrapper's lock at once, not after TTL 60s (up to 2 x TTL).
+        wait_for(lambda: session_left() == "-", 10, "the dead wrapper's session to be destroyed by ExecStopPost=")
+        journal = ctr.exec("journalctl", "-u", "consulrun-oomjob.service", "--no-pager", check=False).stdout
+        assert "destroying the session" in journal
     finally:
         ctr.systemctl("stop", "consulrun-oomjob.service", check=False)
         agent.terminate()
