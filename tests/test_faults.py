@@ -399,12 +399,24 @@ def test_fencing_token_is_the_lock_keys_modify_index(consul: Agent, tmp_path: Pa
     seen = tmp_path / "seen"
     script = (f"import json, os, urllib.request\n"
               f"entry = json.load(urllib.request.urlopen('http://{consul.http_addr}/v1/kv/consulrun/token/lock'))[0]\n"
+              f"import base64\n"
               f"open({str(seen)!r}, 'w').write(json.dumps([entry['ModifyIndex'], os.environ['CONSULRUN_FENCING_TOKEN'],"
-              f" entry.get('Session'), os.environ['CONSULRUN_SESSION']]))\n")
+              f" entry.get('Session'), os.environ['CONSULRUN_SESSION'], json.loads(base64.b64decode(entry['Value']))]))\n")
     code, _, err = finish(consulrun("run", "token", "--", sys.executable, "-c", script))
     assert code == 0, err
-    index, token, holder, session = json.loads(seen.read_text())
+    index, token, holder, session, value = json.loads(seen.read_text())
     assert str(index) == token and holder == session
+    # Every field of the holder value, as README and the status/reap checks rely on them.
+    from consulrun import __version__
+    from consulrun.procinfo import boot_id, pid_namespace
+
+    assert set(value) == {"job", "node", "host", "pid", "pid_start", "boot_id", "pid_ns", "started", "session",
+                          "consulrun_version"}  # no unit or invocation id outside systemd
+    assert (value["job"], value["node"], value["session"], value["consulrun_version"]) == \
+        ("token", "dev1", session, __version__)
+    assert value["boot_id"] == boot_id() and value["pid_ns"] == pid_namespace()
+    assert isinstance(value["pid"], int) and isinstance(value["pid_start"], int)
+    assert datetime.fromisoformat(value["started"].replace("Z", "+00:00")) <= datetime.now(timezone.utc)
 
 
 # --- 4, under systemd: the wrapper itself SIGKILLed -------------------------------------------------------------------

@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import json
 import random
+import signal
 import threading
 import time
 from datetime import datetime, timezone
@@ -22,11 +23,15 @@ pytestmark = pytest.mark.consul
 YEARLY = "*-01-01 00:00:00 UTC"
 
 
+FAKETIME_LIB = Path("/usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1")
+
+
 def skewed(offset_s: float) -> dict[str, str]:
     """Environment that runs a process with its wall clock `offset_s` off (monotonic time stays real)."""
     require_tool("faketime")
-    return {"FAKETIME": f"{offset_s:+.3f}", "FAKETIME_DONT_FAKE_MONOTONIC": "1",
-            "LD_PRELOAD": "/usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1"}
+    if not FAKETIME_LIB.exists():  # LD_PRELOAD of a missing library is silently ignored: no skew at all
+        pytest.fail(f"{FAKETIME_LIB} is missing (Debian package libfaketime)", pytrace=False)
+    return {"FAKETIME": f"{offset_s:+.3f}", "FAKETIME_DONT_FAKE_MONOTONIC": "1", "LD_PRELOAD": str(FAKETIME_LIB)}
 
 
 def kv_json(agent: Agent, key: str) -> dict | None:
@@ -82,7 +87,7 @@ def test_simultaneous_catch_up_runs_once(consul: Agent, tmp_path: Path) -> None:
 
 def test_randomised_clock_skew_over_many_occurrences(consul: Agent, tmp_path: Path) -> None:
     """Five nodes with clocks up to 3 s apart fire up to 2 s late for each 10-second occurrence."""
-    runs = tmp_path / "runs"
+    runs, clocks = tmp_path / "runs", tmp_path / "clocks"
     rng = random.Random(20261129)
     offsets = [rng.uniform(-3, 3) for _ in range(5)]
     start = (int(time.time()) // 10 + 1) * 10 + 10  # the occurrence after next, leaving time to launch
@@ -94,8 +99,10 @@ def test_randomised_clock_skew_over_many_occurrences(consul: Agent, tmp_path: Pa
         for scheduled in occurrences:
             fire_at = scheduled + rng.uniform(0, 2) - offset  # real time at which this node's clock says scheduled+delay
             time.sleep(max(0.0, fire_at - time.time()))
+            launched = time.time()
             proc = consulrun("run", "--schedule", "*:*:0/10", "--skip-exit-code", str(SKIP), "skew", "--", "sh", "-c",
-                             f"echo $CONSULRUN_OCCURRENCE >> {runs}; sleep 0.5", env=skewed(offset))
+                             f"echo $CONSULRUN_OCCURRENCE >> {runs}; echo $(date +%s.%N) {launched} {offset} >> {clocks}; "
+                             "sleep 0.5", env=skewed(offset))
             with lock:
                 results.append(finish(proc))
 
@@ -109,6 +116,10 @@ def test_randomised_clock_skew_over_many_occurrences(consul: Agent, tmp_path: Pa
     ran = runs.read_text().split()
     expected = [datetime.fromtimestamp(t, timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ") for t in occurrences]
     assert sorted(ran) == expected  # every occurrence exactly once
+    # The skew really happened: each run's job saw its node's clock, not the host's (within start-up time).
+    for line in clocks.read_text().splitlines():
+        seen, launched, offset = (float(x) for x in line.split())
+        assert -0.5 < seen - launched - offset < 3.0, (seen, launched, offset)
 
 
 def test_late_contender_from_previous_occurrence_does_not_run(consul: Agent, tmp_path: Path) -> None:
@@ -157,3 +168,104 @@ def test_takeover_when_runners_agent_dies(cluster: Cluster, tmp_path: Path, poli
         assert "claimed by node2" in err
         assert not second.exists()
         assert kv_json(cluster.server, "consulrun/billing/occurrence")["state"] == "running"
+
+
+def _raft_applied(agent: Agent) -> int:
+    return int(agent.get("agent/self")["Stats"]["raft"]["applied_index"])
+
+
+def _skip_writes(agent: Agent, args: list[str], env: dict[str, str] | None = None) -> tuple[list[int], list[str]]:
+    """Raft writes of three skipping runs (the agent's own writes may land in one window, not in all)."""
+    deltas, errs = [], []
+    for _ in range(3):
+        before = _raft_applied(agent)
+        code, _, err = finish(consulrun(*args, env=env))
+        deltas.append(_raft_applied(agent) - before)
+        assert code == SKIP, err
+        errs.append(err)
+    return deltas, errs
+
+
+def test_running_later_and_previous_skip_paths_make_no_writes(consul: Agent, tmp_path: Path) -> None:
+    while time.time() % 60 > 50:  # the holder's occurrence and the skippers' must stay put during the test
+        time.sleep(1)
+    started = tmp_path / "started"
+    minutely = ["run", "--schedule", "*:*:00", "--skip-exit-code", str(SKIP), "paths"]
+    holder = consulrun(*minutely, "--", "sh", "-c", f"touch {started}; sleep 120")
+    try:
+        wait_for(started.exists, 20, "the holder's job")
+        deltas, errs = _skip_writes(consul, [*minutely, "--", "true"])  # running
+        assert min(deltas) == 0 and all("is running" in e for e in errs), (deltas, errs)
+        deltas, errs = _skip_writes(consul, [*minutely, "--", "true"], env=skewed(-120))  # a later one is claimed
+        assert min(deltas) == 0 and all("is already claimed" in e for e in errs), (deltas, errs)
+        # the next occurrence's nodes while this one still runs: occurrences never overlap
+        deltas, errs = _skip_writes(consul, [*minutely, "--", "true"], env=skewed(60))
+        assert min(deltas) == 0 and all("the previous run still holds the lock" in e for e in errs), (deltas, errs)
+    finally:
+        holder.send_signal(signal.SIGTERM)
+        finish(holder)
+    assert consul.get("session/list") == []
+
+
+def test_retry_standby_gives_up_when_the_next_occurrence_is_due_without_writing(consul: Agent, tmp_path: Path) -> None:
+    while time.time() % 60 > 40:
+        time.sleep(1)
+    started = tmp_path / "started"
+    minutely = ["run", "--schedule", "*:*:00", "--skip-exit-code", str(SKIP), "--on-holder-loss", "retry", "giveup"]
+    holder = consulrun(*minutely, "--", "sh", "-c", f"touch {started}; sleep 120")
+    try:
+        wait_for(started.exists, 20, "the holder's job")
+        to_next = 60 - time.time() % 60
+
+        def indexes() -> tuple[int, int]:  # KV and session writes; the agent's own writes touch neither
+            return (int(consul.api("GET", "kv/consulrun/giveup/", params={"recurse": "true"}).headers["X-Consul-Index"]),
+                    int(consul.api("GET", "session/list").headers["X-Consul-Index"]))
+
+        before = indexes()
+        # The standby's clock says the next occurrence is 3 s away: it stands by that long, then gives up.
+        code, _, err = finish(consulrun(*minutely, "--", "true", env=skewed(to_next - 3)), timeout=60)
+        assert code == SKIP, err
+        assert "the next occurrence is due, so this node stops standing by" in err
+        assert indexes() == before
+    finally:
+        holder.send_signal(signal.SIGTERM)
+        finish(holder)
+
+
+def test_history_keeps_the_newest_n(consul: Agent) -> None:
+    for minutes_ago in (3, 2, 1, 0):
+        code, _, err = finish(consulrun("run", "--schedule", "*:*:00", "--history", "2", "pruned", "--", "true",
+                                        env=skewed(-60 * minutes_ago)))
+        assert code == 0, err
+    kept = sorted(history(consul, "pruned"))
+    assert len(kept) == 2 and kept == sorted(kept)[-2:]
+    record = kv_json(consul, "consulrun/pruned/occurrence")
+    assert record["occurrence"] == kept[-1]
+
+
+def test_several_schedules_with_zones_take_the_latest(consul: Agent, tmp_path: Path) -> None:
+    seen = tmp_path / "occ"
+    specs = ["*-01-01 00:00:00 UTC", "*-*-* 03:00:00 Asia/Tokyo", "Mon *-*-* 12:00:00 America/New_York"]
+    args = [a for spec in specs for a in ("--schedule", spec)]
+    code, _, err = finish(consulrun("run", *args, "multi", "--", "sh", "-c", f"echo $CONSULRUN_OCCURRENCE > {seen}"))
+    assert code == 0, err
+    from consulrun import calendar
+
+    latest = max(calendar.previous([spec], datetime.now(timezone.utc)) for spec in specs)
+    assert seen.read_text().strip() == calendar.occurrence_id(latest)
+
+
+def test_dead_runner_under_skip_is_marked_abandoned_and_not_rerun(consul: Agent, tmp_path: Path) -> None:
+    started, again = tmp_path / "started", tmp_path / "again"
+    common = ["run", "--schedule", YEARLY, "--skip-exit-code", str(SKIP), "abandon"]
+    runner = consulrun(*common, "--", "sh", "-c", f"touch {started}; sleep 300")
+    wait_for(started.exists, 20, "the first attempt")
+    runner.kill()  # no cleanup at all; the next node on this node notices the dead pid
+    runner.wait()
+    code, _, err = finish(consulrun(*common, "--", "touch", str(again)))
+    assert code == SKIP, err
+    assert not again.exists()
+    record = kv_json(consul, "consulrun/abandon/occurrence")
+    assert record["state"] == "abandoned" and "runner" in record["reason"]
+    year = datetime.now(timezone.utc).year
+    assert history(consul, "abandon")[f"{year}-01-01T00:00:00Z"]["state"] == "abandoned"
