@@ -282,9 +282,11 @@ class Client:
 
         def answer(response: Any) -> list[dict[str, Any]] | None:
             if response.code == 409:
-                errors = json.loads(response.body or "{}").get("Errors") or []
-                if any("invalid session" in (e.get("What") or "") for e in errors):
-                    raise SessionInvalid("Consul no longer knows the session: " + errors[0]["What"])
+                errors = [e.get("What") or "" for e in json.loads(response.body or "{}").get("Errors") or []]
+                if any("invalid session" in what for what in errors):
+                    raise SessionInvalid("Consul no longer knows the session: " + errors[0])
+                if any("Permission denied" in what or "ACL not found" in what for what in errors):
+                    raise consul.ACLPermissionDenied("; ".join(errors))
                 return None
             consul.callback.CB._status(response)  # noqa: SLF001 - py-consul's own status mapping
             return json.loads(response.body).get("Results") or []

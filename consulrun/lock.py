@@ -135,6 +135,16 @@ class Locker:
         idx, entries = self.client.kv_get(f"{self.spec.base}/slots/", index=index, wait_s=wait_s, recurse=True)
         return idx, {e["Key"]: e for e in entries or []}
 
+    def snapshot(self) -> tuple[dict[str, dict[str, Any]], str | None]:
+        """(the lock entries, why the job is paused or None), read together."""
+        from consulrun.pause import describe, in_force, pause_key
+
+        lock_prefix = self.spec.keys()[0] if self.spec.concurrency == 1 else f"{self.spec.base}/slots/"
+        found = self.client.read_trees([lock_prefix, pause_key(self.spec.base)])
+        paused = decoded(found.pop(pause_key(self.spec.base), None))
+        entries = {k: e for k, e in found.items() if k in self.spec.keys()}
+        return entries, (describe(paused) if in_force(paused) else None)
+
     def _holder_value(self) -> dict[str, Any]:
         value = {"job": self.spec.job, "node": self.node, "host": socket.gethostname(), "pid": os.getpid(),
                  "pid_start": process_start(os.getpid()), "boot_id": boot_id(), "pid_ns": pid_namespace(),
@@ -255,7 +265,13 @@ class Locker:
         retry = LockDelayRetry(self.spec.lock_delay_ms)
         while True:
             remaining = deadline - clock()
-            index, entries = self.entries(index=index, wait_s=remaining if index else None)
+            if index:
+                index, entries = self.entries(index=index, wait_s=remaining)
+            else:  # the lock and the pause key in one read-only transaction: one round trip, no write
+                entries, paused = self.snapshot()
+                if paused:
+                    return None, paused
+                index = max((int(e["ModifyIndex"]) for e in entries.values()), default=0) or None
             if self.reap_dead_holder(entries):
                 index = None
                 continue

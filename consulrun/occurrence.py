@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
 
-from consulrun import calendar, testhook
+from consulrun import calendar, pause, testhook
 from consulrun.consulapi import Client, decoded, kv_op
 from consulrun.errors import ConsulrunError
 from consulrun.lock import Held, Locker, LockDelayRetry, clock, describe_holder, now_iso
@@ -64,6 +64,7 @@ class Snapshot:
     record_index: int  # ModifyIndex of the record, 0 if absent
     record: dict[str, Any] | None
     lock: dict[str, Any] | None  # the lock key's entry
+    paused: str | None = None  # why the job is paused, while a pause is in force
 
     @property
     def holder_session(self) -> str | None:
@@ -83,13 +84,16 @@ class Ledger:
         self.record_key = f"{base}/occurrence"
         self.lock_key = f"{base}/lock"
         self.history_prefix = f"{base}/history/"
+        self.pause_key = pause.pause_key(base)
         self.history_size = history_size
 
     def snapshot(self, consistent: bool = False) -> Snapshot:
-        entries = self.client.read_trees([self.record_key, self.lock_key], consistent=consistent)
+        entries = self.client.read_trees([self.record_key, self.lock_key, self.pause_key], consistent=consistent)
         record_entry, lock = entries.get(self.record_key), entries.get(self.lock_key)
+        paused = decoded(entries.get(self.pause_key))
         return Snapshot(record_index=int(record_entry["ModifyIndex"]) if record_entry else 0,
-                        record=decoded(record_entry) or None, lock=lock)
+                        record=decoded(record_entry) or None, lock=lock,
+                        paused=pause.describe(paused) if pause.in_force(paused) else None)
 
     @staticmethod
     def verdict(snap: Snapshot, occ: Occurrence) -> str:
@@ -185,6 +189,8 @@ def acquire(locker: Locker, ledger: Ledger, occ: Occurrence, policy: str,
     while True:
         snap = ledger.snapshot(consistent=consistent)
         consistent = True  # the first look may be stale; every later one decides a takeover
+        if snap.paused:
+            return None, None, f"the job is {snap.paused}"
         if snap.holder_session and locker.reap_dead_holder({ledger.lock_key: snap.lock}):
             continue
         state = ledger.verdict(snap, occ)

@@ -13,7 +13,7 @@ is said to be empty (exit 6) rather than reported as all well.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta, timezone
 from typing import Any, Callable
 
@@ -21,6 +21,7 @@ from consulrun import calendar, procinfo
 from consulrun.consulapi import Client, decoded
 from consulrun.errors import ConsulrunError, PermissionDenied
 from consulrun.manifest import Job, Manifest
+from consulrun.pause import in_force as pause_in_force
 
 DEFAULT_GRACE_S = 60.0
 UNKNOWN_ACCURACY_S = 60.0  # systemd's AccuracySec= default, assumed when no manifest says better
@@ -63,6 +64,7 @@ class JobStatus:
     last: dict[str, Any] | None = None
     next: str | None = None
     problems: list[dict[str, Any]] = field(default_factory=list)
+    paused: dict[str, Any] | None = None  # the pause in force: by, at, reason, until
 
     def health(self) -> Health:
         kinds = {PROBLEM_HEALTH[p["kind"]] for p in self.problems}
@@ -210,7 +212,7 @@ def _judge_record(status: JobStatus, record: dict[str, Any], expect: Expectation
                                   f"{(now - started).total_seconds():.0f}s on {record.get('node') or '?'}, "
                                   f"longer than its timeout ({expect.timeout_s:.0f}s)",
                        occurrence=record.get("occurrence"))
-    due = calendar.previous(list(expect.schedules), now - timedelta(seconds=expect.lag_s))
+    due = calendar.previous(list(expect.schedules), now - timedelta(seconds=expect.lag_s)) if expect.schedules else None
     if due is None:
         return
     if record.get("occurrence"):
@@ -273,6 +275,11 @@ def judge_job(name: str, keys: dict[str, dict[str, Any]], manifest: Manifest | N
     expect = Expectations.of(job, record, grace_s) if status.state != "orphaned" else None
     if expect is not None:
         status.next = iso(calendar.following(list(expect.schedules), now))
+    paused = decoded(keys.get("pause"))
+    if pause_in_force(paused, now):
+        status.paused = paused
+        # Nobody runs a paused job's occurrences: not claiming them is what was asked for, not a miss.
+        expect = replace(expect, schedules=()) if expect else None
     if record:
         _judge_record(status, record, expect, now)
     _overdue_holders(status, expect, now)
@@ -332,7 +339,8 @@ def verdict(statuses: list[JobStatus]) -> Health:
 def as_json(prefix: str, statuses: list[JobStatus], health: Health, now: datetime) -> dict[str, Any]:
     return {"prefix": prefix, "verdict": health.name.lower(), "checked_at": iso(now), "jobs": [
         {"job": s.job, "state": s.state, "in_manifest": s.in_manifest, "verdict": s.health().name.lower(),
-         "problems": s.problems, "holders": s.holders, "last": s.last, "next": s.next} for s in statuses]}
+         "problems": s.problems, "holders": s.holders, "last": s.last, "next": s.next, "paused": s.paused}
+        for s in statuses]}
 
 
 ERROR_VERDICTS = {2: "usage_error", 6: "no_state", 69: "consul_unavailable", 70: "unexpected_answer",
@@ -362,7 +370,7 @@ def table(statuses: list[JobStatus], now: datetime) -> list[list[str]]:
             result = f"{code}{took} on {last.get('node') or '?'}" + (" (takeover)" if last.get("takeover") else "")
         worst = s.health()
         kind = next((p["kind"] for p in s.problems if PROBLEM_HEALTH[p["kind"]] == worst), None)
-        state = kind or s.state
+        state = kind or ("paused" if s.paused else s.state)
         rows.append([s.job, state + (f" ({len(s.holders)})" if len(s.holders) > 1 else ""),
                      holder.get("node") or "-", cell(holder.get("since"), now),
                      holder.get("health", "-") if holder else "-", cell(last.get("occurrence"), now), result or "-",
@@ -371,4 +379,7 @@ def table(statuses: list[JobStatus], now: datetime) -> list[list[str]]:
 
 
 def problem_lines(statuses: list[JobStatus]) -> list[str]:
-    return [f"{s.job}: {p['kind']}: {p['detail']}" for s in statuses for p in s.problems]
+    from consulrun.pause import describe
+
+    return [f"{s.job}: {p['kind']}: {p['detail']}" for s in statuses for p in s.problems] + \
+        [f"{s.job}: {describe(s.paused)}" for s in statuses if s.paused]
