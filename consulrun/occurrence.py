@@ -65,6 +65,8 @@ class Snapshot:
     record: dict[str, Any] | None
     lock: dict[str, Any] | None  # the lock key's entry
     paused: str | None = None  # why the job is paused, while a pause is in force
+    trigger: dict[str, Any] | None = None  # a pending `consulrun trigger` request
+    trigger_index: int = 0
 
     @property
     def holder_session(self) -> str | None:
@@ -85,15 +87,33 @@ class Ledger:
         self.lock_key = f"{base}/lock"
         self.history_prefix = f"{base}/history/"
         self.pause_key = pause.pause_key(base)
+        self.trigger_key = f"{base}/trigger"
         self.history_size = history_size
 
     def snapshot(self, consistent: bool = False) -> Snapshot:
-        entries = self.client.read_trees([self.record_key, self.lock_key, self.pause_key], consistent=consistent)
-        record_entry, lock = entries.get(self.record_key), entries.get(self.lock_key)
+        entries = self.client.read_trees([self.record_key, self.lock_key, self.pause_key, self.trigger_key],
+                                         consistent=consistent)
+        record_entry, lock, trigger = (entries.get(k) for k in (self.record_key, self.lock_key, self.trigger_key))
         paused = decoded(entries.get(self.pause_key))
         return Snapshot(record_index=int(record_entry["ModifyIndex"]) if record_entry else 0,
                         record=decoded(record_entry) or None, lock=lock,
-                        paused=pause.describe(paused) if pause.in_force(paused) else None)
+                        paused=pause.describe(paused) if pause.in_force(paused) else None,
+                        trigger=decoded(trigger) or None, trigger_index=int(trigger["ModifyIndex"]) if trigger else 0)
+
+    def manual_key(self, claim: dict[str, Any]) -> str:
+        return f"{self.history_prefix}{claim['started']}~manual"
+
+    def manual_claim_ops(self, snap: Snapshot, holder: dict[str, Any]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+        """Operations that take a pending trigger for this node: consumed once (check-and-delete), recorded."""
+        trigger = snap.trigger or {}
+        claim = {"manual": True, "requested_by": trigger.get("by"), "requested_at": trigger.get("at"),
+                 "trigger": trigger.get("id"), "state": "running", "node": holder.get("node"),
+                 "session": holder.get("session"), "started": holder.get("started")}
+        return [kv_op("delete-cas", self.trigger_key, Index=snap.trigger_index),
+                kv_op("set", self.manual_key(claim), claim)], claim
+
+    def manual_finish_ops(self, claim: dict[str, Any], outcome: dict[str, Any], state: str) -> list[dict[str, Any]]:
+        return [kv_op("set", self.manual_key(claim), {**claim, **outcome, "state": state})]
 
     @staticmethod
     def verdict(snap: Snapshot, occ: Occurrence) -> str:
@@ -159,6 +179,22 @@ class Ledger:
         raise ConsulrunError("the claim transaction did not return the occurrence record")
 
 
+def _manual(locker: Locker, ledger: Ledger, snap: Snapshot) -> tuple[Held | None, dict[str, Any] | None, str]:
+    """A run `consulrun trigger` asked of this node: outside the schedule, never beside another run."""
+    if snap.holder_session:
+        return None, None, f"a manual run was asked for, but the job is running: {describe_holder(snap.lock or {})}"
+    claimed: dict[str, Any] = {}
+
+    def claim(value: dict[str, Any]) -> list[dict[str, Any]]:
+        ops, claimed["record"] = ledger.manual_claim_ops(snap, value)
+        return ops
+
+    held = locker.try_once({ledger.lock_key: snap.lock} if snap.lock else {}, claim=claim)
+    if held:
+        return held, claimed["record"], ""
+    return None, None, "a manual run was asked for, but another run took the lock first"
+
+
 ABANDONED_REASON = "its runner's session ended before a result was recorded (the runner or its node died)"
 
 
@@ -189,6 +225,8 @@ def acquire(locker: Locker, ledger: Ledger, occ: Occurrence, policy: str,
     while True:
         snap = ledger.snapshot(consistent=consistent)
         consistent = True  # the first look may be stale; every later one decides a takeover
+        if snap.trigger and snap.trigger.get("node") == locker.node_name():
+            return _manual(locker, ledger, snap)
         if snap.paused:
             return None, None, f"the job is {snap.paused}"
         if snap.holder_session and locker.reap_dead_holder({ledger.lock_key: snap.lock}):

@@ -178,3 +178,14 @@ def open_bundle(raw: str, folder: Path) -> str:
             raise UsageError(f"--stdin-bundle: {str(name)[:80]!r} is not a template name (NAME.j2) with text")
         (folder / name).write_text(text, encoding="utf-8")
     return data["manifest"]
+
+
+def run_remote(host: str, argv: list[str], consul_path: str, ssh_options: list[str] | None = None) -> int:
+    """Run `consulrun ARGV...` on `host` over ssh, its output passed through; its exit status, or 255 from ssh."""
+    problem = host_problem(host)
+    if problem:
+        raise UsageError(f"--host: {problem}")
+    try:
+        return subprocess.run(ssh_argv(host, [consul_path, *argv], ssh_options or [])).returncode
+    except OSError as exc:
+        raise UsageError(f"cannot run ssh: {os_reason(exc)}") from None

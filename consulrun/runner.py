@@ -152,7 +152,9 @@ def _job_environment(held: Held, spec: LockSpec, claim: dict[str, object] | None
         env.pop(name, None)
     env.update({"CONSULRUN_JOB": spec.job, "CONSULRUN_SESSION": held.session, "CONSULRUN_LOCK_KEY": held.key,
                 "CONSULRUN_FENCING_TOKEN": str(held.fencing_token)})
-    if claim:
+    if claim and claim.get("manual"):
+        env["CONSULRUN_MANUAL"] = str(claim.get("requested_by"))
+    elif claim:
         env["CONSULRUN_OCCURRENCE"] = str(claim["occurrence"])
     return env
 
@@ -230,7 +232,9 @@ def _run_held(request: RunRequest, locker: Locker, held: Held, fencing: Fencing,
               ledger: occurrence.Ledger | None, claim: dict[str, Any] | None) -> int:
     spec = request.spec
     which = ""
-    if claim:
+    if claim and claim.get("manual"):
+        which = f" for a manual run asked for by {claim.get('requested_by')}"
+    elif claim:
         which = f" for occurrence {claim['occurrence']}" + (" (taking over from a dead runner)" if claim["takeover"] else "")
     log.info("%s: acquired %s%s (session %s, fencing token %d)", spec.job, held.key, which, held.session,
              held.fencing_token)
@@ -336,6 +340,13 @@ def _record_and_release(locker: Locker, held: Held, ledger: occurrence.Ledger | 
         if locker.release(held, outcome):
             return True
         log.warning("%s: the lock was no longer ours when the job ended; its value keeps the holder", job)
+        return False
+    if claim.get("manual"):  # a triggered run is no occurrence: its history entry is all it records
+        state = "lost" if outcome.get("lost") or not outcome else "done"
+        ops = ledger.manual_finish_ops(claim, {"reason": outcome["lost"]} if outcome.get("lost") else outcome, state)
+        if locker.release(held, outcome, ops):
+            return True
+        locker.client.txn(ops)
         return False
     claim_index = ledger.record_index_after_claim(held)
     if outcome.get("lost") or not outcome:

@@ -1,0 +1,80 @@
+"""Run a job once, now, on this node, through its own systemd unit: `consulrun trigger`.
+
+The request is a KV key, `<prefix>/<job>/trigger` ({id, by, at, node}),
+written only if none is pending; then the unit is started with `systemctl
+start`, so the run gets the unit's user, environment, credentials and
+cgroup. The unit's `consulrun run` sees the request for its node and, instead
+of the scheduled occurrence, takes the lock and consumes the request in one
+transaction (check-and-delete: one run per request), recording the run in
+history as manual. The lock keeps it from ever running beside a scheduled
+run; a job that is running already is reported, not run twice.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import time
+import uuid
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from typing import Any, Callable
+
+from consulrun.consulapi import Client, decoded, kv_op
+from consulrun.errors import ConsulrunError
+from consulrun.lock import describe_holder
+from consulrun.pause import who
+
+
+class NotTriggered(ConsulrunError):
+    """The job is running, or another trigger is pending: nothing was started."""
+
+
+@dataclass
+class Outcome:
+    record: dict[str, Any] | None  # the manual run's history entry, if it ran
+    unit_status: int  # what `systemctl start` returned
+    unit_output: str
+
+
+def _wait_free(client: Client, lock_key: str, wait_s: float) -> None:
+    deadline = time.monotonic() + wait_s
+    index: int | None = None
+    while True:
+        index, entry = client.kv_get(lock_key, index=index, wait_s=max(1.0, deadline - time.monotonic())
+                                     if index else None)
+        if not (entry or {}).get("Session"):
+            return
+        if time.monotonic() >= deadline:
+            raise NotTriggered(f"the job is running: {describe_holder(entry)}; not triggered"
+                               + (" (gave up waiting)" if wait_s else " (--wait waits for it)"))
+
+
+def trigger(client: Client, base: str, unit: str, *, wait_s: float,
+            start_unit: Callable[[str], subprocess.CompletedProcess[str]]) -> Outcome:
+    lock_key, trigger_key = f"{base}/lock", f"{base}/trigger"
+    _wait_free(client, lock_key, wait_s)
+    request = {"id": str(uuid.uuid4()), "by": who(),
+               "at": datetime.now(timezone.utc).isoformat(timespec="seconds").replace("+00:00", "Z"),
+               "node": client.node_name()}
+    if client.txn([kv_op("cas", trigger_key, request, Index=0)]) is None:
+        _, pending = client.kv_get(trigger_key)
+        raise NotTriggered(f"another trigger is pending: {decoded(pending)}; not triggered")
+    try:
+        started = start_unit(unit)
+    finally:
+        # A request the run did not consume (it found the job running, or never started) must not linger.
+        _, entry = client.kv_get(trigger_key)
+        if entry and decoded(entry).get("id") == request["id"]:
+            client.txn([kv_op("delete-cas", trigger_key, Index=int(entry["ModifyIndex"]))])
+    _, entries = client.kv_get(f"{base}/history/", recurse=True)
+    records = [decoded(e) for e in entries or [] if e["Key"].endswith("~manual")]
+    mine = next((r for r in records if r.get("trigger") == request["id"]), None)
+    return Outcome(record=mine, unit_status=started.returncode, unit_output=(started.stderr or started.stdout).strip())
+
+
+def systemctl_start(unit: str) -> subprocess.CompletedProcess[str]:
+    """Start a oneshot unit and wait for it to finish (what `systemctl start` does for Type=oneshot)."""
+    try:
+        return subprocess.run(["systemctl", "start", unit], capture_output=True, text=True)
+    except OSError as exc:
+        raise ConsulrunError(f"cannot run systemctl: {exc.strerror}") from None
