@@ -32,9 +32,13 @@ def applied(agent: Agent) -> int:
     return int(agent.get("agent/self")["Stats"]["raft"]["applied_index"])
 
 
+CONSUL_LOCK_FLAGS = 0x2DDCCBC058A50C18  # what `consul lock` marks its keys with (it refuses others)
+
+
 def invalidated_holder(agent: Agent, key: str, delay_s: int) -> float:
     session = agent.api("PUT", "session/create", json={"TTL": "10s", "LockDelay": f"{delay_s}s"}).json()["ID"]
-    assert agent.api("PUT", f"kv/{key}", params={"acquire": session}, data=b"holder").json() is True
+    flags = CONSUL_LOCK_FLAGS if key.endswith("/.lock") else 0
+    assert agent.api("PUT", f"kv/{key}", params={"acquire": session, "flags": flags}, data=b"holder").json() is True
     agent.api("PUT", f"session/destroy/{session}")
     return time.time()
 
@@ -43,7 +47,10 @@ def trial(agent: Agent, cmd: list[str], key: str, delay_s: int, started: Path, e
     started.unlink(missing_ok=True)
     freed_at = invalidated_holder(agent, key, delay_s)
     before = applied(agent)
-    code = subprocess.run(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=300).returncode
+    done = subprocess.run(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, timeout=300)
+    code = done.returncode
+    with (started.parent / "stderr.log").open("a") as log:
+        log.write(f"--- {' '.join(cmd[:8])}: exit {code}\n{done.stderr}")
     writes = applied(agent) - before
     latency = float(started.read_text()) - freed_at if started.exists() else float("nan")
     agent.api("DELETE", f"kv/{key}")
@@ -78,6 +85,7 @@ def main() -> None:
             rows.append((delay, ours, theirs))
     finally:
         agent.stop()
+    print(f"(stderr of every run: {tmp / 'stderr.log'})\n")
     print(f"One dev agent, Consul v1.16.3; holder session (TTL 10s) invalidated; {args.rounds} rounds each, "
           "median (min-max).\n")
     print("| lock-delay | consulrun: Raft writes | consul lock: Raft writes | writes ratio | "

@@ -281,7 +281,8 @@ class Locker:
                 if held:
                     return held, ""
             if clock() >= deadline:
-                reason = f"held by {'; '.join(holders)}" if holders else "lost the race for the lock"
+                reason = f"held by {'; '.join(holders)}" if holders else \
+                    "the lock is free but Consul refused it (lock-delay after an invalidation, or a lost race)"
                 return None, reason
             if holders:
                 self.abandon()

@@ -32,7 +32,7 @@ from typing import Any
 
 from consulrun import calendar, pause, testhook
 from consulrun.consulapi import Client, decoded, kv_op
-from consulrun.errors import ConsulrunError
+from consulrun.errors import ConsulrunError, ConsulUnavailable
 from consulrun.lock import Held, Locker, LockDelayRetry, clock, describe_holder, now_iso
 
 log = logging.getLogger("consulrun")
@@ -221,9 +221,15 @@ def acquire(locker: Locker, ledger: Ledger, occ: Occurrence, policy: str,
         deadline = max(deadline, clock() + (occ.next_when - datetime.now(timezone.utc)).total_seconds())
     consistent = False
     retry = LockDelayRetry(locker.spec.lock_delay_ms)
-    raced = False
+    raced = standing_by = False
     while True:
-        snap = ledger.snapshot(consistent=consistent)
+        try:
+            snap = ledger.snapshot(consistent=consistent)
+        except ConsulUnavailable:
+            if not standing_by or clock() >= deadline:
+                raise
+            time.sleep(1.0)  # a standby outlives a restarting agent or an election, until its deadline
+            continue
         consistent = True  # the first look may be stale; every later one decides a takeover
         if snap.trigger and snap.trigger.get("node") == locker.node_name():
             return _manual(locker, ledger, snap)
@@ -272,13 +278,19 @@ def acquire(locker: Locker, ledger: Ledger, occ: Occurrence, policy: str,
                                     "the next occurrence is due, so this node stops standing by")
             return None, None, f"could not claim occurrence {occ.id}"
         if holders:
+            standing_by = True
             locker.abandon()  # a session must not outlive its TTL unrenewed while we wait
             what = (f"occurrence {occ.id} runs on {record.get('node')}" if state == "running"
                     else f"the previous run holds the lock: {describe_holder(snap.lock or {})}")
             locker.say_waiting("standby", f"{what}; standing by for up to {remaining:.0f}s "
                                           f"(on_holder_loss={policy})")
-            locker.client.kv_get(ledger.lock_key, index=int((snap.lock or {}).get("ModifyIndex", 0)),
-                                 wait_s=min(remaining, 300))
+            try:
+                locker.client.kv_get(ledger.lock_key, index=int((snap.lock or {}).get("ModifyIndex", 0)),
+                                     wait_s=min(remaining, 300))
+            except ConsulUnavailable as exc:  # a standby outlives a restarting agent or an election
+                locker.say_waiting("standby-error", f"cannot read the lock while standing by ({exc}); "
+                                                    "trying again", every_s=10)
+                time.sleep(min(1.0, max(0.0, deadline - clock())))
         else:  # lock-delay after an invalidation, or a lost race: look again when it should be over
             testhook.pause("lock-delay-wait")
             locker.say_waiting("delay", f"occurrence {occ.id} is free to take over but lock-delay refuses it; "
