@@ -255,7 +255,7 @@ def reap(job: str, prefix: str, concurrency: int, **consul: str | None) -> None:
     from consulrun.lock import Locker, LockSpec
 
     _setup_logging()
-    locker = Locker(Client(consul_config(consul)), LockSpec(job=job, prefix=prefix, concurrency=concurrency))
+    locker = Locker(Client(consul_config(consul), label=job), LockSpec(job=job, prefix=prefix, concurrency=concurrency))
     _, entries = locker.entries()
     locker.reap_dead_holder(entries)
 

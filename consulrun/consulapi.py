@@ -99,7 +99,7 @@ class ConsulConfig:
         except AddressError:
             return None
 
-    def resolved_token(self) -> str | None:
+    def resolved_token(self, label: str | None = None) -> str | None:
         if self.token:
             return self.token
         if self.token_file:
@@ -107,7 +107,8 @@ class ConsulConfig:
                 with open(self.token_file, encoding="utf-8") as handle:
                     if os.fstat(handle.fileno()).st_mode & 0o077:
                         logging.getLogger("consulrun").warning(
-                            "Consul token file %s is readable by others; make it mode 0600", self.token_file)
+                            "%sConsul token file %s is readable by others; make it mode 0600",
+                            f"{label}: " if label else "", self.token_file)
                     return handle.read().strip() or None
             except OSError as exc:
                 raise UsageError(f"Consul token file {self.token_file}: {os_reason(exc)}") from None
@@ -227,14 +228,15 @@ class UnixSocketAdapter(requests.adapters.HTTPAdapter):
 class Client:
     """The handful of Consul calls consulrun makes, each with a bounded timeout."""
 
-    def __init__(self, config: ConsulConfig, timeout: float = 10.0) -> None:
+    def __init__(self, config: ConsulConfig, timeout: float = 10.0, label: str | None = None) -> None:
+        """`label` (a job name) starts every line this client logs."""
         scheme, host, port = config.endpoint(allow_unix=True)
         verify: bool | str = config.ca_file or config.ssl_verify
         cert = (config.client_cert, config.client_key) if config.client_cert and config.client_key else config.client_cert
         self._api = consul.Consul(host=host, port=port, scheme=scheme, verify=verify, cert=cert,
                                   connections_timeout=timeout)
         # py-consul lets CONSUL_HTTP_TOKEN override an explicit token; ours is resolved already.
-        self._api.token = config.resolved_token()
+        self._api.token = config.resolved_token(label)
         if scheme == "https" and config.tls_server_name:
             self._api.http.session.mount("https://", _ServerNameAdapter(config.tls_server_name))
         socket_path = config.socket_path

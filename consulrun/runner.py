@@ -175,7 +175,7 @@ def run(request: RunRequest, config: ConsulConfig) -> int:
     fencing = Fencing.for_lock_delay(spec.lock_delay_ms, spec.ttl_ms)
     if not shutil.which(request.command[0]):  # fail before touching the lock, not after taking it
         raise JobNotStarted(f"cannot start {request.command[0]}: not found or not executable")
-    client = Client(config)
+    client = Client(config, label=spec.job)
     signals = _Signals(spec.job)
     locker = Locker(client, spec, shield=signals.shield)
     try:
