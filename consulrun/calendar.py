@@ -6,6 +6,7 @@ tests compare it with `systemd-analyze calendar`, the reference.
 
 from __future__ import annotations
 
+import os
 from datetime import datetime, timedelta, timezone, tzinfo
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
@@ -48,6 +49,37 @@ def local_zone() -> tzinfo:
             return ZoneInfo.from_file(handle, key="localtime")
     except (OSError, ValueError, ZoneInfoNotFoundError):
         return timezone.utc
+
+
+def local_zone_name() -> str:
+    """The system zone's name as /etc/localtime points at it ("Europe/Berlin"), for messages."""
+    target = os.path.realpath(LOCALTIME)
+    return target.split("/zoneinfo/", 1)[1] if "/zoneinfo/" in target else target
+
+
+def zone_offsets(when: datetime) -> str:
+    """How the system zone behaves around `when` (its UTC offsets then and half a year either side).
+
+    Nodes that compute the same offsets compute the same occurrences, whatever
+    their zone is called or their tzdata's version; compared across nodes.
+    """
+    zone = local_zone()
+    moments = (when - timedelta(days=182), when, when + timedelta(days=182))
+    return ",".join(str(int(m.astimezone(zone).utcoffset().total_seconds())) for m in moments)  # type: ignore[union-attr]
+
+
+def names_zone(spec: str) -> bool:
+    """True if `spec` ends in a time zone, so the system zone does not matter for it."""
+    last = spec.split()[-1] if spec.split() else ""
+    if last == "UTC":
+        return True
+    if "/" not in last:
+        return False
+    try:
+        ZoneInfo(last)
+    except (ValueError, ZoneInfoNotFoundError):
+        return False
+    return True
 
 
 def _iterate(specs: list[str], start: datetime) -> oncalendar.OnCalendar:

@@ -29,8 +29,10 @@ _libc = ctypes.CDLL(None, use_errno=True)
 
 
 def become_subreaper() -> None:
-    """Orphaned descendants are re-parented to this process instead of init."""
-    _libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+    """Orphaned descendants are re-parented to this process instead of init; without it nothing starts."""
+    if _libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_CHILD_SUBREAPER) failed: a daemonising job process "
+                                          "could escape the wrapper")
 
 
 def _in_child(parent: int) -> None:
@@ -72,6 +74,13 @@ def descendants(root: int | None = None, exclude: frozenset[int] = frozenset()) 
         found.append(pid)
         queue.extend(children.get(pid, []))
     return found
+
+
+KILL_TIMEOUT_S = 10.0
+
+
+class JobUnkillable(Exception):
+    """Some process of the job outlives SIGKILL: the lock must not be released."""
 
 
 class Job:
@@ -146,6 +155,10 @@ class Job:
                 if not self.alive():
                     return
                 time.sleep(0.02)
+        unkillable_by = now() + KILL_TIMEOUT_S
         while self.alive():
+            if now() > unkillable_by:  # a process in uninterruptible sleep, or one we may not signal
+                raise JobUnkillable(f"process(es) {', '.join(map(str, self.processes()))} of the job survive "
+                                    f"SIGKILL after {KILL_TIMEOUT_S:.0f}s")
             self.signal(signal.SIGKILL)
             time.sleep(0.01)

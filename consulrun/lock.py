@@ -23,9 +23,9 @@ from datetime import datetime, timezone
 from typing import Any, Callable
 
 from consulrun import __version__, testhook
-from consulrun.procinfo import boot_id, pid_namespace, process_start, provably_dead
+from consulrun.procinfo import boot_id, pid_namespace, process_start, provably_dead, time_namespace
 from consulrun.consulapi import Client, SessionInvalid, decoded, kv_op
-from consulrun.errors import ConsulrunError, UsageError
+from consulrun.errors import ConsulrunError, ConsulUnavailable, UsageError
 from consulrun.fencing import Fencing
 
 log = logging.getLogger("consulrun")
@@ -148,6 +148,7 @@ class Locker:
     def _holder_value(self) -> dict[str, Any]:
         value = {"job": self.spec.job, "node": self.node, "host": socket.gethostname(), "pid": os.getpid(),
                  "pid_start": process_start(os.getpid()), "boot_id": boot_id(), "pid_ns": pid_namespace(),
+                 "time_ns": time_namespace(),
                  "unit": _systemd_unit(), "invocation_id": os.environ.get("INVOCATION_ID"), "started": now_iso(),
                  "session": self.session, "consulrun_version": __version__}
         return {k: v for k, v in value.items() if v is not None}
@@ -167,10 +168,14 @@ class Locker:
                 raise UsageError(f"check(s) not registered on node {self.node}: {', '.join(unknown)}")
             service_checks = [c for c in self.spec.checks if kinds[c]]
         node_checks = ["serfHealth", *[c for c in self.spec.checks if c not in service_checks and c != "serfHealth"]]
-        self.session = self.client.session_create(
-            name=f"consulrun:{self.spec.job}@{self.node}", ttl_ms=self.spec.ttl_ms,
-            lock_delay_ms=self.spec.lock_delay_ms, node_checks=node_checks, service_checks=service_checks)
-        self._renewed_at = clock()
+        self.shield(True)  # a signal must not lose the answer naming a session that exists
+        try:
+            self.session = self.client.session_create(
+                name=f"consulrun:{self.spec.job}@{self.node}", ttl_ms=self.spec.ttl_ms,
+                lock_delay_ms=self.spec.lock_delay_ms, node_checks=node_checks, service_checks=service_checks)
+            self._renewed_at = clock()
+        finally:
+            self.shield(False)  # raises a held-back signal now, with self.session set for the cleanup
         return self.session
 
     def keep_alive(self) -> None:
@@ -230,8 +235,13 @@ class Locker:
                     held = None
                     self.shield(True)
                     try:
-                        results = self.client.txn([kv_op("lock", key, value, Session=session),
-                                                   *(claim(value) if claim else [])])
+                        ops = [kv_op("lock", key, value, Session=session), *(claim(value) if claim else [])]
+                        try:
+                            results = self.client.txn(ops)
+                        except ConsulUnavailable:
+                            # The answer was lost, not necessarily the write (Raft may commit an entry whose
+                            # leader failed to answer): look before concluding anything.
+                            results = self._committed(ops, session)
                         if results is not None:
                             sent = clock()
                             idx, entry = self.client.kv_get(key, consistent=True)
@@ -250,6 +260,23 @@ class Locker:
                 log.info("%s: session %s no longer exists; making a new one", self.spec.job, session)
                 self.session = None
         return None
+
+    def _committed(self, ops: list[dict[str, Any]], session: str) -> list[dict[str, Any]] | None:
+        """After an unanswered acquisition: its results, read back, if it committed; None if it did not.
+
+        Raises the read's own failure if even that cannot be known; the caller
+        then destroys the session, which frees a lock it might hold.
+        """
+        _, entry = self.client.kv_get(ops[0]["KV"]["Key"], consistent=True)
+        if not entry or entry.get("Session") != session:
+            return None
+        log.info("%s: the acquisition was answered with an error but went through", self.spec.job)
+        results = []
+        for op in ops:
+            _, written = self.client.kv_get(op["KV"]["Key"], consistent=True)
+            if written:
+                results.append({"KV": written})
+        return results
 
     def acquire(self) -> tuple[Held | None, str]:
         """Acquire within the spec's wait; returns (held, why-not). The caller destroys the session on failure.
@@ -316,11 +343,15 @@ class Locker:
         """Destroy our session if we made one; a failure here is logged, the TTL ends it anyway."""
         if self.session is None:
             return
-        session, self.session = self.session, None
+        session = self.session
+        self.shield(True)  # a signal must not cut the destroy short and leave the session behind
         try:
             self.client.session_destroy(session)
         except ConsulrunError as exc:
             log.warning("%s: could not destroy session %s (%s); its TTL will end it", self.spec.job, session, exc)
+        finally:
+            self.session = None
+            self.shield(False)
 
 
 class LockDelayRetry:

@@ -32,7 +32,7 @@ from typing import Any
 
 from consulrun import calendar, pause, testhook
 from consulrun.consulapi import Client, decoded, kv_op
-from consulrun.errors import ConsulrunError, ConsulUnavailable
+from consulrun.errors import ConsulrunError, ConsulUnavailable, UsageError
 from consulrun.lock import Held, Locker, LockDelayRetry, clock, describe_holder, now_iso
 
 log = logging.getLogger("consulrun")
@@ -140,7 +140,8 @@ class Ledger:
             earlier = [*record.get("earlier", []), _final(record, "abandoned", ABANDONED_REASON)]
         claim = {"occurrence": occ.id, "state": "running", "node": holder.get("node"), "session": holder.get("session"),
                  "started": holder.get("started"), "takeover": takeover, "attempt": len(earlier) + 1,
-                 "schedule": list(occ.specs), "earlier": earlier}
+                 "schedule": list(occ.specs), "zone": calendar.local_zone_name(),
+                 "zone_offsets": calendar.zone_offsets(occ.when), "earlier": earlier}
         ops = [kv_op("cas", self.record_key, claim, Index=snap.record_index)]
         if record.get("state") == "running" and record.get("occurrence", "") < occ.id:
             # Its runner died before recording a result: say so in the history rather than leave a gap.
@@ -195,6 +196,26 @@ def _manual(locker: Locker, ledger: Ledger, snap: Snapshot) -> tuple[Held | None
     return None, None, "a manual run was asked for, but another run took the lock first"
 
 
+def _same_zone(record: dict[str, Any], occ: Occurrence) -> None:
+    """Refuse to go on when another node evaluated a zone-less spec in a system zone that behaves otherwise.
+
+    Its occurrences are other moments: both nodes would run "the same" daily
+    job, each at its own local time. Naming a zone in the spec makes it moot.
+    """
+    theirs, when = record.get("zone_offsets"), record.get("occurrence")
+    if not theirs or not when or all(calendar.names_zone(spec) for spec in occ.specs):
+        return
+    try:
+        ours = calendar.zone_offsets(datetime.fromisoformat(str(when).replace("Z", "+00:00")))
+    except ValueError:
+        return
+    if ours != theirs:
+        raise UsageError(f"this node's system zone ({calendar.local_zone_name()}) is not the one "
+                         f"{record.get('node')} evaluated the schedule in ({record.get('zone')}): nodes would "
+                         "disagree on the occurrence; give every node the same zone, or name a zone in the "
+                         "schedule (e.g. '*-*-* 02:00:00 Europe/Berlin')")
+
+
 ABANDONED_REASON = "its runner's session ended before a result was recorded (the runner or its node died)"
 
 
@@ -237,8 +258,9 @@ def acquire(locker: Locker, ledger: Ledger, occ: Occurrence, policy: str,
             return None, None, f"the job is {snap.paused}"
         if snap.holder_session and locker.reap_dead_holder({ledger.lock_key: snap.lock}):
             continue
-        state = ledger.verdict(snap, occ)
         record = snap.record or {}
+        _same_zone(record, occ)
+        state = ledger.verdict(snap, occ)
         if state == "later":
             return None, None, f"a later occurrence ({record['occurrence']}) is already claimed; {occ.id} is past"
         if state == "done":

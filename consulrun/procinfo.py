@@ -33,8 +33,16 @@ def pid_namespace() -> str | None:
         return None
 
 
-def process_start(pid: int) -> int | None:
-    """Start time of `pid` in clock ticks since boot, or None if there is no such live process (zombies are dead)."""
+def time_namespace() -> str | None:
+    """This process's time namespace: start times in /proc are counted on its boot clock."""
+    try:
+        return os.readlink("/proc/self/ns/time")
+    except OSError:
+        return None
+
+
+def _stat(pid: int) -> tuple[str, int] | None:
+    """(state, start time in clock ticks since boot) of `pid`, or None if /proc does not show it to us."""
     try:
         with open(f"/proc/{pid}/stat", encoding="utf-8", errors="replace") as handle:
             stat = handle.read()
@@ -42,26 +50,45 @@ def process_start(pid: int) -> int | None:
         return None
     # comm (field 2) may hold spaces and parentheses: count fields after the last ')'; state is field 3.
     fields = stat.rsplit(")", 1)[-1].split()
-    if not fields or fields[0] in ("Z", "X"):
-        return None
     try:
-        return int(fields[22 - 3])
+        return fields[0], int(fields[22 - 3])
     except (IndexError, ValueError):
         return None
 
 
+def process_start(pid: int) -> int | None:
+    """Start time of `pid` in clock ticks since boot, or None if there is no such live process (zombies are dead)."""
+    stat = _stat(pid)
+    if stat is None or stat[0] in ("Z", "X"):
+        return None
+    return stat[1]
+
+
 def provably_dead(holder: dict[str, Any], local_node: str | None) -> str | None:
-    """Why the holder's wrapper is certainly dead, or None if that cannot be proven from here."""
+    """Why the holder's wrapper is certainly dead, or None if that cannot be proven from here.
+
+    Absence is proven by the kernel (kill(pid, 0) answering "no such process"),
+    never by /proc alone, which hides other users' processes under hidepid=2.
+    """
     pid, started, booted = holder.get("pid"), holder.get("pid_start"), holder.get("boot_id")
     if local_node is None or holder.get("node") != local_node or not isinstance(pid, int) or pid <= 0:
         return None
     if not isinstance(started, int) or not booted or booted != boot_id():
         return None
-    if holder.get("pid_ns") and holder["pid_ns"] != pid_namespace():  # optional field: another namespace's pid
-        return None
-    now_started = process_start(pid)
-    if now_started is None:
+    for key, ours in (("pid_ns", pid_namespace), ("time_ns", time_namespace)):
+        if holder.get(key) and holder[key] != ours():  # another namespace's pid or boot clock
+            return None
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
         return f"its wrapper process (pid {pid}) on this node has exited"
-    if now_started != started:
+    except PermissionError:
+        pass  # it exists; whose it is, /proc may say
+    stat = _stat(pid)
+    if stat is None:
+        return None  # it exists, and we may not look: cannot tell
+    if stat[0] in ("Z", "X"):
+        return f"its wrapper process (pid {pid}) on this node has exited"
+    if stat[1] != started:
         return f"its wrapper process (pid {pid}) on this node has exited; the pid now belongs to another process"
     return None

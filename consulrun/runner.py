@@ -28,7 +28,7 @@ from typing import Any
 from consulrun import occurrence, testhook
 from consulrun.child import Job, become_subreaper
 from consulrun.consulapi import Client, ConsulConfig
-from consulrun.errors import ConsulUnavailable, ExitCode, JobNotStarted, UsageError
+from consulrun.errors import ConsulrunError, ConsulUnavailable, ExitCode, JobNotStarted, UsageError
 from consulrun.lock import Fencing, Held, Interrupted, Locker, LockSpec, Watcher, clock, now_iso as _now
 
 log = logging.getLogger("consulrun")
@@ -62,6 +62,7 @@ class _Signals:
         self.received: list[int] = []
         self._forwarded = 0
         self._job_got: set[int] = set()  # indexes into `received` that reached a running job
+        self._shielded: list[bool] = []
         self.wakeup, writer = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self._writer = writer
         self._previous_fd = signal.set_wakeup_fd(writer, warn_on_full_buffer=False)
@@ -95,9 +96,16 @@ class _Signals:
         return [sig for i, sig in enumerate(self.received) if i not in self._job_got]
 
     def shield(self, on: bool) -> None:
-        """While shielded, a termination signal is held for later instead of interrupting (a lock being taken)."""
-        self.interruptible = not on and self.job is None
-        if self.interruptible and self.received:
+        """While shielded, a termination signal is held for later instead of interrupting (a lock or a session
+        being taken or given up); unshielding restores what was before and raises a held-back signal if that
+        was interruptible. Shields nest."""
+        if on:
+            self._shielded.append(self.interruptible)
+            self.interruptible = False
+            return
+        if self._shielded:
+            self.interruptible = self._shielded.pop()
+        if self.interruptible and self.job is None and self.received:
             raise Interrupted(self.received[0])
 
     def drain(self) -> None:
@@ -249,28 +257,35 @@ def _run_held(request: RunRequest, locker: Locker, held: Held, fencing: Fencing,
             log.info("%s: %s after acquiring the lock; the job is not started", spec.job, signal.Signals(signum).name)
             outcome = {"lost": f"{signal.Signals(signum).name} before the job started"}
             return 128 + signum
-        watcher.start()  # before the fork: if no thread can be started, no job has been either
         become_subreaper()
-        job = Job(list(request.command), _job_environment(held, spec, claim))
+        _confirm_before_start(locker, held, watcher, fencing)
+        job = Job(list(request.command), _job_environment(held, spec, claim))  # no other thread while forking
         signals.job = job
         signals.forward_pending()
+        watcher.start()  # if it cannot start, the except below kills the job before anything is released
         testhook.pause("started")
         testhook.fail("started")
         status, lost = _supervise(job, watcher, fencing, signals, spec.job)
         if not lost and job.alive():
+            # A wrapper waking late must not give leftovers a grace period it no longer has.
+            grace = min(fencing.grace_s, watcher.last_confirmed + fencing.kill_by_s - clock())
             log.warning("%s: the job exited but left processes behind; stopping them", spec.job)
-            job.kill_all(fencing.grace_s, now=clock)
+            job.kill_all(grace, now=clock)
         outcome = {"exit_status": status, "ended": _now(), **({"lost": lost} if lost else {})}
         if not lost:
             log.info("%s: job exited with status %d", spec.job, status)
         return status
+    except NotConfirmed as exc:
+        outcome = {"lost": str(exc)}
+        log.error("%s: lock lost before the job started: %s; the job is not started", spec.job, exc)
+        return ExitCode.LOCK_LOST
     except JobNotStarted as exc:
         outcome = {"lost": str(exc)}
         status = exc.exit_code
         log.error("%s: %s", spec.job, exc.message)
         return status
     except Exception as exc:  # noqa: BLE001 - after the fork nothing may escape before the job is dead
-        log.error("%s: consulrun failed after taking the lock (%s: %s); no process of the job is left", spec.job,
+        log.error("%s: consulrun failed after taking the lock (%s: %s); stopping the job", spec.job,
                   type(exc).__name__, exc)
         outcome = {"lost": f"consulrun failed: {type(exc).__name__}: {exc}"}
         return ExitCode.SOFTWARE
@@ -278,9 +293,33 @@ def _run_held(request: RunRequest, locker: Locker, held: Held, fencing: Fencing,
         watcher.stop()
         if _job_gone(job, spec.job):
             testhook.pause("releasing")
-            _close(locker, held, ledger, claim, outcome)
+            # Stopping (systemctl stop) leaves TimeoutStopSec=: after a termination signal, retry only briefly.
+            _close(locker, held, ledger, claim, outcome, budget_s=fencing.grace_s if signals.received else None)
         else:
             locker.session = None  # never destroy it: the lock must outlive the job's processes
+
+
+class NotConfirmed(Exception):
+    """The lock could not be confirmed right before the job would start."""
+
+
+def _confirm_before_start(locker: Locker, held: Held, watcher: Watcher, fencing: Fencing) -> None:
+    """Confirm the lock with a consistent read just before the fork, and start nothing if it is not ours.
+
+    The wrapper may have been stopped or starved between acquiring and
+    starting (the Jepsen lesson: re-check the lease after waiting); a job must
+    never *start* after another node could have taken over.
+    """
+    sent = clock()
+    try:
+        _, entry = locker.client.kv_get(held.key, consistent=True)
+    except ConsulrunError as exc:
+        raise NotConfirmed(f"cannot confirm it: {exc}") from None
+    if not entry or entry.get("Session") != held.session:
+        raise NotConfirmed("the key is no longer held by this node's session")
+    if clock() - sent > fencing.fence_after_s:
+        raise NotConfirmed(f"the confirmation took {clock() - sent:.1f}s, past the fencing deadline")
+    watcher.last_confirmed = sent
 
 
 def _job_gone(job: Job | None, name: str) -> bool:
@@ -301,34 +340,40 @@ FINISH_RETRY_S = 30.0
 
 
 def _close(locker: Locker, held: Held, ledger: occurrence.Ledger | None, claim: dict[str, Any] | None,
-           outcome: dict[str, Any]) -> None:
+           outcome: dict[str, Any], budget_s: float | None = None) -> None:
     """Record the outcome and release, retrying transient failures for a bounded time; destroy the session.
 
     A completed run that could not be recorded would be re-run by a `retry`
     standby, so one failed write (a leader election, a restarting agent) is not
-    the end. If the lock is no longer ours, the result is still recorded with a
-    check-and-set on the record as our claim left it: it lands unless another
-    node has taken the occurrence over.
+    the end, and the session is kept alive meanwhile. If the lock is no longer
+    ours, the result is still recorded with a check-and-set on the record as
+    our claim left it: it lands unless another node has taken the occurrence
+    over. A refusal that retrying cannot cure (ACLs) is one line; the job's
+    own status stands.
     """
     job = locker.spec.job
-    give_up = clock() + FINISH_RETRY_S
+    give_up = clock() + (FINISH_RETRY_S if budget_s is None else budget_s)
     backoff = 0.25
     while True:
         try:
+            locker.keep_alive()
             if _record_and_release(locker, held, ledger, claim, outcome):
                 log.info("%s: released %s", job, held.key)
             break
         except ConsulUnavailable as exc:
             if clock() + backoff > give_up:
-                log.warning("%s: could not release %s (%s); the session's invalidation will free it", job, held.key,
-                            exc)
-                locker.session = None  # destroying it would fail the same way; its TTL ends it
-                return
+                log.warning("%s: could not record the result or release %s (%s); the session's invalidation "
+                            "will free it", job, held.key, exc)
+                break
             if backoff == 0.25:
                 log.warning("%s: Consul cannot record the result yet (%s); retrying for up to %.0fs", job, exc,
                             give_up - clock())
             time.sleep(backoff)
             backoff = min(backoff * 2, 4.0)
+        except ConsulrunError as exc:
+            log.warning("%s: could not record the result or release %s (%s); the session's invalidation will "
+                        "free it", job, held.key, exc.message)
+            break
     locker.abandon()
 
 
@@ -348,26 +393,35 @@ def _record_and_release(locker: Locker, held: Held, ledger: occurrence.Ledger | 
             return True
         locker.client.txn(ops)
         return False
-    claim_index = ledger.record_index_after_claim(held)
-    if outcome.get("lost") or not outcome:
-        reason = outcome.get("lost") or "consulrun stopped before the job ended"
-        ops = ledger.failed_ops({**claim, **outcome}, claim_index, "lost", reason)
-    else:
-        ops = ledger.finish_ops(claim, outcome, claim_index)
-    if locker.release(held, outcome, ops):
+    failed = bool(outcome.get("lost")) or not outcome
+    reason = outcome.get("lost") or "consulrun stopped before the job ended"
+
+    def ops_at(index: int) -> list[dict[str, Any]]:
+        if failed:
+            return ledger.failed_ops({**claim, **outcome}, index, "lost", reason)
+        return ledger.finish_ops(claim, outcome, index)
+
+    if locker.release(held, outcome, ops_at(ledger.record_index_after_claim(held))):
         return True
     snap = ledger.snapshot(consistent=True)
     record = snap.record or {}
-    if record.get("session") == held.session and record.get("state") != "running" and snap.holder_session != held.session:
-        return True  # an earlier attempt went through; its answer was lost
-    if snap.holder_session == held.session:  # the record moved under us: never expected; free the lock anyway
-        log.warning("%s: the occurrence record changed while this node held the lock; result not recorded", job)
-        return locker.release(held, outcome)
-    # The lock is gone (our session was invalidated): record the result unless the occurrence was taken over.
-    if locker.client.txn(ops) is None:
-        log.warning("%s: occurrence %s was taken over meanwhile; this run's result is not recorded", job,
-                    claim["occurrence"])
-    else:
-        log.warning("%s: the lock was no longer ours when the job ended; the result is recorded (%s)", job,
-                    "lost" if outcome.get("lost") else f"exit status {outcome.get('exit_status')}")
+    this_attempt = (record.get("occurrence"), record.get("session"), record.get("attempt")) == \
+        (claim["occurrence"], held.session, claim.get("attempt"))
+    if snap.holder_session == held.session:
+        if not this_attempt:  # the record moved while we held the lock: never expected; free the lock anyway
+            log.warning("%s: the occurrence record changed while this node held the lock; result not recorded", job)
+            return locker.release(held, outcome)
+        return locker.release(held, outcome, ops_at(snap.record_index))  # it moved by a write of ours
+    if this_attempt and record.get("state") == ("lost" if failed else "done") and \
+            record.get("exit_status") == outcome.get("exit_status") and (not failed or record.get("reason") == reason):
+        return True  # an earlier attempt of this finish went through; its answer was lost
+    if this_attempt and record.get("state") in ("running", "abandoned"):
+        # The lock is gone (our session ended) but nobody took the occurrence over: record what really happened,
+        # also over another node's "abandoned" guess.
+        if locker.client.txn(ops_at(snap.record_index)) is not None:
+            log.warning("%s: the lock was no longer ours when the job ended; the result is recorded (%s)", job,
+                        "lost" if failed else f"exit status {outcome.get('exit_status')}")
+            return False
+    log.warning("%s: occurrence %s was taken over meanwhile; this run's result is not recorded", job,
+                claim["occurrence"])
     return False

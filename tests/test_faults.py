@@ -70,7 +70,7 @@ def stubborn_job(pids: Path) -> list[str]:
 
 def test_failure_after_fork_kills_every_job_process_before_release(consul: Agent, tmp_path: Path) -> None:
     pids = tmp_path / "pids"
-    env = {**hooks(tmp_path, "started", "releasing"), "CONSULRUN_TEST_FAIL": "started"}
+    env = {**hooks(tmp_path, "started", "releasing"), "CONSULRUN_TEST_FAIL": "started"}  # hook dir required
     proc = consulrun("run", "--schedule", YEARLY, "boom", "--", *stubborn_job(pids), env=env)
     at(tmp_path, "started")
     job_pids = read_pids(pids, 2)
@@ -410,8 +410,8 @@ def test_fencing_token_is_the_lock_keys_modify_index(consul: Agent, tmp_path: Pa
     from consulrun import __version__
     from consulrun.procinfo import boot_id, pid_namespace
 
-    assert set(value) == {"job", "node", "host", "pid", "pid_start", "boot_id", "pid_ns", "started", "session",
-                          "consulrun_version"}  # no unit or invocation id outside systemd
+    assert set(value) == {"job", "node", "host", "pid", "pid_start", "boot_id", "pid_ns", "time_ns", "started",
+                          "session", "consulrun_version"}  # no unit or invocation id outside systemd
     assert (value["job"], value["node"], value["session"], value["consulrun_version"]) == \
         ("token", "dev1", session, __version__)
     assert value["boot_id"] == boot_id() and value["pid_ns"] == pid_namespace()
@@ -533,3 +533,21 @@ def test_fencing_token_example_rejects_a_stale_holders_write(consul: Agent, tmp_
     assert stale.returncode == 3, stale.stderr
     assert "refused" in stale.stderr
     assert kv_json(consul, "reports/latest") == {"token": second, "data": "second"}
+
+
+def test_a_node_in_another_system_zone_is_refused_not_run_twice(consul: Agent, tmp_path: Path) -> None:
+    """A zone-less daily spec: a node whose /etc/localtime says Europe/Berlin would run its own 'same' occurrence."""
+    ran = tmp_path / "ran"
+    args = [sys.executable, "-m", "consulrun", "run", "--schedule", "*-*-* 00:00:00", "zoned", "--", "sh", "-c",
+            f"echo $CONSULRUN_OCCURRENCE >> {ran}"]
+    code, _, err = finish(consulrun(*args[3:]))
+    assert code == 0, err
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    # Another system zone for one process only: a private mount namespace with a zone bound over /etc/localtime.
+    berlin = subprocess.run(["unshare", "-m", "sh", "-c",
+                             'mount --bind /usr/share/zoneinfo/Europe/Berlin "$(realpath /etc/localtime)" && exec "$@"',
+                             "sh", *args], env=env, capture_output=True, text=True, timeout=60)
+    assert berlin.returncode == 2, berlin.stderr
+    assert "nodes would disagree on the occurrence" in berlin.stderr
+    assert len(ran.read_text().split()) == 1
+    assert sessions(consul) == []
