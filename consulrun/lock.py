@@ -189,7 +189,7 @@ class Locker:
         if self.client.session_renew(self.session):
             self._renewed_at = clock()
         else:
-            log.info("%s: session %s expired while waiting; a new one will be made", self.spec.job, self.session)
+            log.info("%s: session %s no longer exists (expired or destroyed)", self.spec.job, self.session)
             self.session = None
 
     def sleep(self, seconds: float) -> None:

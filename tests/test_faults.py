@@ -176,7 +176,7 @@ def test_invalid_session_while_waiting_is_replaced_not_read_as_a_lost_race(consu
     go(tmp_path, "lock-delay-wait")
     code, _, err = finish(waiter, timeout=90)
     assert code == 0, err
-    assert "a new one" in err and "lost the race" not in err
+    assert "no longer exists" in err and "lost the race" not in err
     assert sessions(consul) == []
 
 
