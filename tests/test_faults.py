@@ -551,3 +551,37 @@ def test_a_node_in_another_system_zone_is_refused_not_run_twice(consul: Agent, t
     assert "nodes would disagree on the occurrence" in berlin.stderr
     assert len(ran.read_text().split()) == 1
     assert sessions(consul) == []
+
+
+def test_lock_lost_between_acquiring_and_starting_starts_nothing(consul: Agent, tmp_path: Path) -> None:
+    """A wrapper stopped after acquiring must re-confirm before the fork: another node may run by now."""
+    ran = tmp_path / "ran"
+    proc = consulrun("run", "--schedule", YEARLY, "--on-holder-loss", "retry", "late", "--", "touch", str(ran),
+                     env=hooks(tmp_path, "acquired"))
+    at(tmp_path, "acquired")
+    consul.api("PUT", f"session/destroy/{lock_entry(consul, 'consulrun/late/lock')['Session']}")
+    go(tmp_path, "acquired")
+    code, _, err = finish(proc)
+    assert code == 75, err
+    assert "lock lost before the job started" in err
+    assert not ran.exists()
+    assert kv_json(consul, "consulrun/late/occurrence")["state"] == "lost"
+    assert sessions(consul) == []
+
+
+def test_result_recorded_over_an_abandoned_guess_when_nobody_took_over(consul: Agent, tmp_path: Path) -> None:
+    """skip: the runner's session dies as its job ends; another node guesses 'abandoned'; the truth lands."""
+    common = ["run", "--schedule", YEARLY, "--skip-exit-code", str(SKIP), "guess"]
+    proc = consulrun(*common, "--", "true", env=hooks(tmp_path, "releasing"))
+    at(tmp_path, "releasing")
+    consul.api("PUT", f"session/destroy/{lock_entry(consul, 'consulrun/guess/lock')['Session']}")  # a check flap
+    code, _, err = finish(consulrun(*common, "--", "true"))
+    assert code == SKIP and "was abandoned by dev1; recorded" in err, err
+    assert kv_json(consul, "consulrun/guess/occurrence")["state"] == "abandoned"
+    go(tmp_path, "releasing")
+    code, _, err = finish(proc)
+    assert code == 0, err
+    assert "the result is recorded (exit status 0)" in err and "released" not in err
+    record = kv_json(consul, "consulrun/guess/occurrence")
+    assert record["state"] == "done" and record["exit_status"] == 0
+    assert sessions(consul) == []
