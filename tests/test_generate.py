@@ -14,7 +14,7 @@ from click.testing import CliRunner
 from consulrun.cli import main
 from consulrun.manifest import load_manifest
 from consulrun.render import render
-from tests.conftest import require_tool
+from tests.conftest import GOLDEN_REWRITTEN, require_tool
 
 REPO = Path(__file__).resolve().parents[1]
 GOLDEN = Path(__file__).parent / "golden"
@@ -32,12 +32,16 @@ def invoke(*args: str) -> tuple[int, str, str]:
 def test_golden(case: str, request: pytest.FixtureRequest) -> None:
     units = render(load_manifest(CASES[case]), CONSULRUN)
     expected_dir = GOLDEN / case / "expected"
-    if request.config.getoption("--update-golden"):
+    expected = {p.name: p.read_bytes().decode() for p in sorted(expected_dir.iterdir())} if expected_dir.is_dir() else {}
+    if units != expected and request.config.getoption("--update-golden"):
+        changed = sorted(n for n in {**units, **expected} if units.get(n) != expected.get(n))
         shutil.rmtree(expected_dir, ignore_errors=True)
         expected_dir.mkdir(parents=True)
         for name, text in units.items():
             (expected_dir / name).write_bytes(text.encode())
-    expected = {p.name: p.read_bytes().decode() for p in sorted(expected_dir.iterdir())}
+        paths = [str((expected_dir / n).relative_to(REPO)) for n in changed]
+        request.config.stash.setdefault(GOLDEN_REWRITTEN, []).extend(paths)
+        pytest.fail(f"--update-golden rewrote {', '.join(paths)}: not a passing test; review the diff", pytrace=False)
     assert units == expected
 
 
