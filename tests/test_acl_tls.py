@@ -44,6 +44,28 @@ def _token_file(tmp_path: Path, name: str, secret: str) -> Path:
     return path
 
 
+def _policy(prefix: str, service_read: bool) -> str:
+    """The whole least-privilege policy, written out by hand: any rule added or widened fails the comparison."""
+    return (f'# consulrun: what nodes need to run, take over and report jobs under "{prefix}"\n'
+            f'key_prefix "{prefix}" {{\n  policy = "write"\n}}\n'
+            'session_prefix "" {\n  policy = "write"\n}\n'
+            'agent_prefix "" {\n  policy = "read"\n}\n'
+            'node_prefix "" {\n  policy = "read"\n}\n'
+            + ('service_prefix "" {\n  policy = "read"\n}\n' if service_read else ""))
+
+
+@pytest.mark.parametrize(("args", "prefix", "service_read"), [
+    ([], "consulrun/", False),
+    ([str(REPO / "examples" / "jobs.yaml")], "consulrun/", False),
+    ([str(REPO / "tests" / "golden" / "tls-and-checks" / "manifest.yaml")], "ops/cron/", True),
+    (["--prefix", "/team/jobs/"], "team/jobs/", False),
+], ids=["no-manifest", "example", "service-checks", "prefix"])
+def test_acl_policy_is_exactly_the_documented_policy(args: list[str], prefix: str, service_read: bool) -> None:
+    result = CliRunner().invoke(main, ["acl-policy", *args])
+    assert (result.exit_code, result.stderr) == (0, "")
+    assert result.stdout == _policy(prefix, service_read)
+
+
 def test_acl_policy_token_runs_skips_takes_over_and_reports(acl_agent: tuple[Agent, str], tmp_path: Path) -> None:
     agent, management = acl_agent
     rules = CliRunner().invoke(main, ["acl-policy"]).stdout

@@ -112,3 +112,34 @@ def test_schedule_validation_agrees_with_systemd(spec: str, tmp_path: Path) -> N
     manifest.write_text(f"jobs:\n  a:\n    command: [/bin/true]\n    schedule: '{spec}'\n")
     result = CliRunner().invoke(main, ["generate", str(manifest), "-o", "-", "--consulrun-path", "/x/consulrun"])
     assert (result.exit_code == 0) == systemd_ok, result.stderr
+
+
+# Every range check at both edges: the value on the edge is accepted, one step past it is refused with the message.
+BOUNDS = [
+    ("lock", "ttl", "10s", "9999ms", "Consul accepts a session TTL from 10s to 24h"),
+    ("lock", "ttl", "24h", "86400001ms", "Consul accepts a session TTL from 10s to 24h"),
+    ("lock", "ttl", 10, 9, "Consul accepts a session TTL from 10s to 24h"),
+    ("lock", "lock_delay", "5s", "4999ms", "lock_delay must be 5s to 60s"),
+    ("lock", "lock_delay", "60s", "60001ms", "lock_delay must be 5s to 60s"),
+    ("lock", "concurrency", 1, 0, "must be between 1 and 1000"),
+    ("lock", "concurrency", 1000, 1001, "must be between 1 and 1000"),
+    ("lock", "skip_exit_code", 0, -1, "must be between 0 and 255"),
+    ("lock", "skip_exit_code", 255, 256, "must be between 0 and 255"),
+    (None, "history", 1, 0, "must be between 1 and 1000"),
+    (None, "history", 1000, 1001, "must be between 1 and 1000"),
+]
+
+
+@pytest.mark.parametrize(("block", "key", "edge", "past", "message"), BOUNDS,
+                         ids=[f"{b[1]}-{b[2]}" for b in BOUNDS])
+def test_range_edges(block: str | None, key: str, edge: object, past: object, message: str, tmp_path: Path) -> None:
+    manifest = tmp_path / "jobs.yaml"
+    for value, accepted in ((edge, True), (past, False)):
+        setting = f"    {block}: {{{key}: {value}}}\n" if block else f"    {key}: {value}\n"
+        manifest.write_text("jobs:\n  a:\n" + OK_JOB + setting)
+        result = CliRunner().invoke(main, ["generate", str(manifest), "-o", "-", "--consulrun-path", "/x/consulrun"])
+        if accepted:
+            assert result.exit_code == 0, result.stderr
+        else:
+            assert result.exit_code == 2 and result.stdout == ""
+            assert f"jobs.a.{block + '.' if block else ''}{key}" in result.stderr and message in result.stderr, result.stderr
