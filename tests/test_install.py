@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -78,6 +79,29 @@ def install(ctr: Container, text: str, *args: str, check: bool = False) -> subpr
     return ctr.exec(CONSULRUN, "install", "/shared/jobs.yaml", *args, check=check)
 
 
+def show(ctr: Container, unit: str, *props: str) -> dict[str, str]:
+    """systemd's own view of a unit: the named properties, as `systemctl show` gives them."""
+    out = ctr.systemctl("show", unit, "-p", ",".join(props)).stdout
+    values = dict(line.split("=", 1) for line in out.splitlines() if "=" in line)
+    if "TimersCalendar" in values:  # the next elapse moves every time the timer fires; the spec is what counts
+        values["TimersCalendar"] = re.sub(r" ; next_elapse=[^}]*", "", values["TimersCalendar"])
+    return values
+
+
+def agent_get(ctr: Container, path: str) -> object:
+    """GET /v1/<path> from the node's own agent (it listens on the container's loopback only)."""
+    code = ("import json, sys, urllib.request\n"
+            "print(urllib.request.urlopen('http://127.0.0.1:8500/v1/' + sys.argv[1], timeout=10).read().decode())")
+    return json.loads(ctr.exec(sys.executable, "-c", code, path).stdout)
+
+
+def journal(ctr: Container, unit: str) -> str:
+    return ctr.exec("journalctl", "--no-pager", "-o", "cat", "-u", unit).stdout
+
+
+TIMER_STATE = ("ActiveState", "ActiveEnterTimestampMonotonic", "TimersCalendar", "UnitFileState")
+
+
 def test_install_enables_timer_that_fires_and_second_install_is_a_no_op(node: Container) -> None:
     runs = node.shared / "runs"
     runs.unlink(missing_ok=True)
@@ -93,8 +117,12 @@ def test_install_enables_timer_that_fires_and_second_install_is_a_no_op(node: Co
              "the timer to fire twice")
     occurrences = [line.split()[0] for line in runs.read_text().splitlines()]
     assert len(occurrences) == len(set(occurrences))
+    before = show(node, "consulrun-tick.timer", *TIMER_STATE)
     again = install(node, text)
     assert again.returncode == 0 and again.stdout.startswith("up to date"), again.stdout + again.stderr
+    # No systemctl call: a restart or re-enable would have moved the timer's activation time.
+    assert show(node, "consulrun-tick.timer", "ActiveEnterTimestampMonotonic", "UnitFileState") == \
+        {k: before[k] for k in ("ActiveEnterTimestampMonotonic", "UnitFileState")}
 
 
 def test_job_removed_from_manifest_disappears(node: Container) -> None:
@@ -111,11 +139,14 @@ def test_job_removed_from_manifest_disappears(node: Container) -> None:
 def test_dry_run_changes_nothing(node: Container) -> None:
     assert install(node, manifest({"tick": tick_job()})).returncode == 0
     before = {p.name: p.read_bytes() for p in node.unit_dir.glob("consulrun-*")}
+    state = show(node, "consulrun-tick.timer", *TIMER_STATE)
     result = install(node, manifest({"tick": tick_job("*:*:0/4"), "new": tick_job("daily")}), "--dry-run")
     assert result.returncode == 0
     assert "+OnCalendar=*:*:0/4" in result.stdout
     assert "would run: systemctl enable --now consulrun-new.timer" in result.stdout
     assert {p.name: p.read_bytes() for p in node.unit_dir.glob("consulrun-*")} == before
+    assert show(node, "consulrun-tick.timer", *TIMER_STATE) == state
+    assert show(node, "consulrun-new.timer", "LoadState")["LoadState"] == "not-found"
 
 
 def test_foreign_unit_with_our_name_is_refused(node: Container) -> None:
@@ -144,13 +175,98 @@ def test_systemctl_failure_midway_restores_previous_units(node: Container, tmp_p
     assert result.returncode == 1
     assert "install failed, previous units restored" in result.stderr
     assert {p.name: p.read_bytes() for p in node.unit_dir.glob("consulrun-*")} == before
-    assert node.systemctl("is-active", "consulrun-tick.timer", check=False).stdout.strip() == "active"
+    # systemd itself is back on the old units: the old calendar, the extra timer unknown.
+    state = show(node, "consulrun-tick.timer", "ActiveState", "TimersCalendar")
+    assert state["ActiveState"] == "active"
+    assert "OnCalendar=*-*-* *:*:00/2" in state["TimersCalendar"] and "00/4" not in state["TimersCalendar"], state
+    assert show(node, "consulrun-extra.timer", "LoadState")["LoadState"] == "not-found"
 
 
 def test_unwritable_unit_dir_fails_cleanly(node: Container) -> None:
     result = install(node, manifest({"tick": tick_job()}), "--unit-dir", "/sys/consulrun-units")
     assert result.returncode == 1
     assert result.stderr.startswith("Error: install failed, previous units restored: /sys/consulrun-units")
+    assert result.stderr.count("\n") == 1 and ("Read-only file system" in result.stderr
+                                               or "No such file or directory" in result.stderr), result.stderr
+
+
+def test_no_start_enables_without_starting(node: Container) -> None:
+    result = install(node, manifest({"later": tick_job("daily")}), "--no-start")
+    assert result.returncode == 0, result.stderr
+    assert "systemctl enable consulrun-later.timer" in result.stdout and "--now" not in result.stdout
+    state = show(node, "consulrun-later.timer", "UnitFileState", "ActiveState")
+    assert state == {"UnitFileState": "enabled", "ActiveState": "inactive"}
+
+
+def test_root_installs_into_an_image_offline(node: Container) -> None:
+    image = "/var/tmp/image"
+    node.exec("mkdir", "-p", f"{image}{Path(CONSULRUN).parent}")
+    node.exec("cp", CONSULRUN, f"{image}{CONSULRUN}")  # units call the image's consulrun; it must exist there
+    result = install(node, manifest({"imaged": tick_job("daily")}), "--root", image, "--consulrun-path", CONSULRUN)
+    assert result.returncode == 0, result.stderr
+    assert "installed: 2 added, 0 changed, 0 removed" in result.stdout
+    assert "daemon-reload" not in result.stdout and "--now" not in result.stdout
+    units = node.merged / image.lstrip("/") / "etc" / "systemd" / "system"
+    assert sorted(p.name for p in units.glob("consulrun-*")) == ["consulrun-imaged.service", "consulrun-imaged.timer"]
+    assert (units / "timers.target.wants" / "consulrun-imaged.timer").is_symlink()  # enabled in the image
+    # The running system is untouched: its systemd has never heard of the unit.
+    assert show(node, "consulrun-imaged.timer", "LoadState")["LoadState"] == "not-found"
+    assert not (node.unit_dir / "consulrun-imaged.timer").exists()
+    missing = install(node, manifest({"imaged": tick_job("daily")}), "--root", image, "--consulrun-path",
+                      "/usr/bin/no-consulrun")
+    assert missing.returncode == 2
+    assert f"{image}/usr/bin/no-consulrun: the consulrun the units would call does not exist" in missing.stderr
+
+
+def test_load_credential_root_only_token_with_another_user(node: Container) -> None:
+    # A system user of the container's own, who can reach (not read or write) the interpreter's folders.
+    node.exec("sh", "-c", "id cruser || useradd --system --no-create-home --shell /usr/sbin/nologin cruser")
+    for folder in Path(os.path.realpath(sys.executable)).parents:  # e.g. a pyenv under a 0700 /root
+        if not os.stat(folder).st_mode & 0o001:
+            node.exec("chmod", "o+x", str(folder))  # in the container's overlay only
+    token = "5cfa3c1e-0000-4000-8000-00000000c0de"
+    node.exec("sh", "-c", f"mkdir -p /etc/consulrun && umask 077 && printf '%s\\n' {token} > /etc/consulrun/token")
+    assert node.exec("stat", "-c", "%a %U", "/etc/consulrun/token").stdout.split() == ["600", "root"]
+    job = {"command": ["sh", "-c", 'echo "user=$(id -un) token=$(cat "$CONSUL_HTTP_TOKEN_FILE")"; '
+                                   "cat /etc/consulrun/token || echo direct-read-refused"],
+           "schedule": "*-01-01 00:00:00", "user": "cruser"}
+    result = install(node, manifest({"cred": job}, consul={"token_file": "/etc/consulrun/token"}))
+    assert result.returncode == 0, result.stderr
+    unit = (node.unit_dir / "consulrun-cred.service").read_text()
+    assert "LoadCredential=consul-token:/etc/consulrun/token" in unit and token not in unit
+    started = node.systemctl("start", "consulrun-cred.service", check=False)
+    assert started.returncode == 0, started.stderr + journal(node, "consulrun-cred.service")
+    log = journal(node, "consulrun-cred.service")
+    # The wrapper (as cruser) read the credential, took the lock, and the job saw the token; the file stays root's.
+    assert "acquired consulrun/cred/lock" in log and f"user=cruser token={token}" in log, log
+    assert "direct-read-refused" in log and "readable by others" not in log, log
+
+
+def test_skip_exit_code_is_a_success_for_systemd(node: Container) -> None:
+    job = {"command": ["true"], "schedule": "*-01-01 00:00:00", "lock": {"skip_exit_code": 42}}
+    assert install(node, manifest({"skipper": job})).returncode == 0
+    assert node.systemctl("start", "consulrun-skipper.service", check=False).returncode == 0
+    second = node.systemctl("start", "consulrun-skipper.service", check=False)  # same occurrence: skipped, 42
+    state = show(node, "consulrun-skipper.service", "Result", "ExecMainStatus", "ActiveState")
+    assert second.returncode == 0 and state == {"Result": "success", "ExecMainStatus": "42", "ActiveState": "inactive"}, \
+        (state, second.stderr)
+    log = journal(node, "consulrun-skipper.service")
+    assert log.count("acquired consulrun/skipper/lock") == 1 and log.count("skipper: skipped") == 1, log
+
+
+def test_timeout_stops_the_job_and_frees_the_lock(node: Container) -> None:
+    job = {"command": ["sleep", "300"], "schedule": "*-01-01 00:00:00", "timeout": "3s"}
+    assert install(node, manifest({"slow": job})).returncode == 0
+    assert "TimeoutStartSec=3s" in (node.unit_dir / "consulrun-slow.service").read_text()
+    result = node.systemctl("start", "consulrun-slow.service", check=False)
+    assert result.returncode != 0
+    state = show(node, "consulrun-slow.service", "Result", "ActiveState", "MainPID", "TasksCurrent")
+    assert (state["Result"], state["ActiveState"], state["MainPID"]) == ("timeout", "failed", "0"), state
+    assert state["TasksCurrent"] in ("0", "[not set]"), state  # nothing of the job is left
+    log = journal(node, "consulrun-slow.service")
+    assert "acquired consulrun/slow/lock" in log and "SIGTERM received" in log, log
+    lock = agent_get(node, "kv/consulrun/slow/lock")[0]
+    assert "Session" not in lock and agent_get(node, "session/list") == []
 
 
 # --- three nodes over ssh ------------------------------------------------------------------------------
