@@ -158,6 +158,8 @@ def translated(what: str) -> Iterator[None]:
         raise ConsulProtocolError(f"{what}: unexpected answer from Consul: {text}") from None
     except ValueError as exc:  # a body that is not the JSON Consul promises
         raise ConsulProtocolError(f"{what}: unexpected answer from Consul: {exc}") from None
+    except (KeyError, IndexError, TypeError, AttributeError) as exc:  # JSON, but not of the shape Consul promises
+        raise ConsulProtocolError(f"{what}: unexpected answer from Consul: {type(exc).__name__}: {_short(exc)}") from None
 
 
 def _reason(exc: BaseException) -> str:
@@ -264,7 +266,11 @@ class Client:
         with self._translated(f"reading {key}"):
             idx, value = self._api.kv.get(key, index=index, wait=wait, recurse=recurse,
                                           consistency="consistent" if consistent else None)
-        return int(idx), value
+            entries = value if recurse else [value]
+            if value is not None and not (isinstance(entries, list) and all(
+                    isinstance(e, dict) and isinstance(e.get("Key"), str) for e in entries)):
+                raise ValueError(f"not a list of KV entries: {_short(ValueError(json.dumps(value)))}")
+            return int(idx), value
 
     def kv_acquire(self, key: str, value: str, session: str) -> bool:
         with self._translated(f"acquiring {key}"):

@@ -24,7 +24,7 @@ from consulrun.address import AddressError, parse_address
 from consulrun.errors import ConsulrunError, OutputError, UsageError, os_reason
 from consulrun.guarantees import warnings as guarantee_warnings
 from consulrun.manifest import Manifest
-from consulrun.render import is_generated, render, stage
+from consulrun.render import is_generated, render, replace_atomic
 
 
 class InstallError(ConsulrunError):
@@ -96,10 +96,6 @@ def plan(units: dict[str, str], unit_dir: Path, unit_prefix: str) -> Plan:
     return result
 
 
-def _write_atomic(path: Path, text: str) -> None:
-    os.replace(stage(path, text), path)
-
-
 def _systemctl(args: list[str], root: Path | None) -> None:
     cmd = ["systemctl", *([f"--root={root}"] if root else []), *args]
     result = subprocess.run(cmd, capture_output=True, text=True)
@@ -121,7 +117,7 @@ def apply(p: Plan, *, start: bool, root: Path | None) -> list[str]:
             _systemctl(calls.pop(0), root)
             done.append("disabled " + ", ".join(p.timers("remove")))
         for name, text in {**p.add, **{n: new for n, (_, new) in p.change.items()}}.items():
-            _write_atomic(p.unit_dir / name, text)
+            replace_atomic(p.unit_dir / name, text)
             written.append(p.unit_dir / name)
         for name in p.remove:
             (p.unit_dir / name).unlink()
@@ -144,13 +140,13 @@ def _restore(p: Plan, written: list[Path], root: Path | None) -> None:
             if old is None:
                 path.unlink(missing_ok=True)
             else:
-                _write_atomic(path, old)
+                replace_atomic(path, old)
         except OSError:
             pass
     for name, old in p.remove.items():
         try:
             if not (p.unit_dir / name).exists():
-                _write_atomic(p.unit_dir / name, old)
+                replace_atomic(p.unit_dir / name, old)
         except OSError:
             pass
     try:

@@ -217,6 +217,13 @@ def _split_command(problems: _Problems, path: tuple[Any, ...], command: str | li
     return tuple(argv)
 
 
+def _words(command: str) -> list[str]:
+    try:
+        return shlex.split(command)
+    except ValueError:  # reported by _split_command
+        return []
+
+
 def _check_representable(problems: _Problems, job: dict[str, Any], jpath: tuple[Any, ...]) -> None:
     checks: list[tuple[tuple[Any, ...], str, unitescape.Context]] = []
     if isinstance(job.get("description"), str):
@@ -227,6 +234,8 @@ def _check_representable(problems: _Problems, job: dict[str, Any], jpath: tuple[
     if isinstance(job.get("command"), list):
         checks += [(jpath + ("command", i), arg, unitescape.Context.EXEC_ARG)
                    for i, arg in enumerate(job["command"]) if isinstance(arg, str)]
+    elif isinstance(job.get("command"), str):  # a string is split into words: each must fit ExecStart=
+        checks += [(jpath + ("command",), arg, unitescape.Context.EXEC_ARG) for arg in _words(job["command"])]
     if isinstance(job.get("environment"), dict):
         checks += [(jpath + ("environment", k), f"{k}={v}", unitescape.Context.ENV_ASSIGNMENT)
                    for k, v in job["environment"].items() if isinstance(v, (str, int))]

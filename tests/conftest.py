@@ -25,8 +25,13 @@ REPO = Path(__file__).resolve().parents[1]
 ARTIFACTS = REPO / "test-artifacts"
 
 
+# Golden files rewritten by --update-golden in this run (paths relative to the repo), for the closing report.
+GOLDEN_REWRITTEN = pytest.StashKey[list[str]]()
+
+
 def pytest_addoption(parser: pytest.Parser) -> None:
-    parser.addoption("--update-golden", action="store_true", help="rewrite tests/golden/ from the current output")
+    parser.addoption("--update-golden", action="store_true",
+                     help="rewrite tests/golden/ from the current output (the run then fails, naming what it rewrote)")
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -112,14 +117,22 @@ def cluster(consul_bin: str, tmp_path: Path, request: pytest.FixtureRequest) -> 
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    """Fail the run if anything was skipped: every test here must really run."""
+    """Fail the run if anything was skipped or xfailed: every test here must really run and really pass."""
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")
-    skipped = reporter.stats.get("skipped", []) if reporter else []
-    if skipped and exitstatus == 0:
+    stats = reporter.stats if reporter else {}
+    dodged = {kind: len(stats.get(kind, [])) for kind in ("skipped", "xfailed", "xpassed") if stats.get(kind)}
+    if dodged and exitstatus == 0:
         session.exitstatus = 1
         if reporter:
-            reporter.write_line(f"FAILED: {len(skipped)} test(s) skipped; this suite treats a skip as a failure",
-                                red=True)
+            counts = ", ".join(f"{n} {kind}" for kind, n in dodged.items())
+            reporter.write_line(f"FAILED: {counts}; this suite treats a skip or an xfail as a failure", red=True)
+    rewritten = session.config.stash.get(GOLDEN_REWRITTEN, [])
+    if session.config.getoption("--update-golden"):
+        if exitstatus == 0:
+            session.exitstatus = 1  # a run that rewrote its own expectations proves nothing
+        if reporter:
+            reporter.write_line("--update-golden rewrote " + (", ".join(rewritten) if rewritten else "nothing")
+                                + "; review the diff and rerun without --update-golden", red=True)
 
 
 def container_binds() -> list[Path]:

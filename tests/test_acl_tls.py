@@ -44,6 +44,28 @@ def _token_file(tmp_path: Path, name: str, secret: str) -> Path:
     return path
 
 
+def _policy(prefix: str, service_read: bool) -> str:
+    """The whole least-privilege policy, written out by hand: any rule added or widened fails the comparison."""
+    return (f'# consulrun: what nodes need to run, take over and report jobs under "{prefix}"\n'
+            f'key_prefix "{prefix}" {{\n  policy = "write"\n}}\n'
+            'session_prefix "" {\n  policy = "write"\n}\n'
+            'agent_prefix "" {\n  policy = "read"\n}\n'
+            'node_prefix "" {\n  policy = "read"\n}\n'
+            + ('service_prefix "" {\n  policy = "read"\n}\n' if service_read else ""))
+
+
+@pytest.mark.parametrize(("args", "prefix", "service_read"), [
+    ([], "consulrun/", False),
+    ([str(REPO / "examples" / "jobs.yaml")], "consulrun/", False),
+    ([str(REPO / "tests" / "golden" / "tls-and-checks" / "manifest.yaml")], "ops/cron/", True),
+    (["--prefix", "/team/jobs/"], "team/jobs/", False),
+], ids=["no-manifest", "example", "service-checks", "prefix"])
+def test_acl_policy_is_exactly_the_documented_policy(args: list[str], prefix: str, service_read: bool) -> None:
+    result = CliRunner().invoke(main, ["acl-policy", *args])
+    assert (result.exit_code, result.stderr) == (0, "")
+    assert result.stdout == _policy(prefix, service_read)
+
+
 def test_acl_policy_token_runs_skips_takes_over_and_reports(acl_agent: tuple[Agent, str], tmp_path: Path) -> None:
     agent, management = acl_agent
     rules = CliRunner().invoke(main, ["acl-policy"]).stdout
@@ -163,8 +185,46 @@ def test_wrong_ca_fails_closed(tls_agent, consul_bin: str, tmp_path: Path) -> No
         "CONSUL_HTTP_ADDR": f"https://127.0.0.1:{port}", "CONSUL_CACERT": str(other["ca"]),
         "CONSUL_CLIENT_CERT": str(files["client"]), "CONSUL_CLIENT_KEY": str(files["client_key"])}))
     assert code == 69
-    assert err.count("\n") == 1 and "TLS failure" in err
+    assert err.count("\n") == 1 and "TLS failure talking to Consul" in err and "CERTIFICATE_VERIFY_FAILED" in err, err
     assert not marker.exists()
     code, _, err = finish(consulrun("run", "tlsjob", "--", "true", env={
         "CONSUL_HTTP_ADDR": f"https://127.0.0.1:{port}", "CONSUL_CACERT": str(files["ca"])}))
     assert code == 69, err  # verify_incoming: no client certificate, no service
+    assert err.count("\n") == 1 and "TLS failure talking to Consul" in err and "CERTIFICATE_REQUIRED" in err, err
+
+
+def test_consul_http_ssl_and_ssl_verify_are_honoured(tls_agent, consul_bin: str, tmp_path: Path) -> None:
+    agent, port, files = tls_agent
+    certs = {"CONSUL_CLIENT_CERT": str(files["client"]), "CONSUL_CLIENT_KEY": str(files["client_key"])}
+    bare = {"CONSUL_HTTP_ADDR": f"127.0.0.1:{port}", **certs}  # no scheme: CONSUL_HTTP_SSL decides
+    code, _, err = finish(consulrun("run", "ssljob", "--", "true",
+                                    env={**bare, "CONSUL_HTTP_SSL": "true", "CONSUL_CACERT": str(files["ca"])}))
+    assert code == 0 and f"via https://127.0.0.1:{port}" not in err and "acquired consulrun/ssljob/lock" in err, err
+    code, _, err = finish(consulrun("run", "ssljob", "--", "true", env={**bare, "CONSUL_CACERT": str(files["ca"])}))
+    # Without it the same address is plain HTTP, which the HTTPS port answers with a 400.
+    assert code == 70 and f"via http://127.0.0.1:{port}" in err and "HTTP request to an HTTPS server" in err, err
+    # A CA that did not sign the agent's certificate: refused unless CONSUL_HTTP_SSL_VERIFY=false.
+    other = _tls_material(consul_bin, tmp_path / "other-ca")
+    wrong = {**bare, "CONSUL_HTTP_SSL": "1", "CONSUL_CACERT": str(other["ca"])}
+    code, _, err = finish(consulrun("run", "ssljob", "--", "true", env={**wrong, "CONSUL_HTTP_SSL_VERIFY": "true"}))
+    assert code == 69 and "TLS failure talking to Consul" in err and "CERTIFICATE_VERIFY_FAILED" in err, err
+    code, _, err = finish(consulrun("run", "ssljob", "--", "true", env={**bare, "CONSUL_HTTP_SSL": "1",
+                                                                       "CONSUL_HTTP_SSL_VERIFY": "false"}))
+    assert code == 0 and "acquired consulrun/ssljob/lock" in err, err
+
+
+def test_consul_http_token_is_honoured(acl_agent: tuple[Agent, str], tmp_path: Path) -> None:
+    agent, management = acl_agent
+    rules = CliRunner().invoke(main, ["acl-policy"]).stdout
+    _acl(agent, management, "PUT", "acl/policy", {"Name": "consulrun", "Rules": rules})
+    good = _acl(agent, management, "PUT", "acl/token", {"Policies": [{"Name": "consulrun"}]})["SecretID"]
+    weak = _acl(agent, management, "PUT", "acl/token", {"Description": "no rights"})["SecretID"]
+    marker = tmp_path / "ran"
+    code, _, err = finish(consulrun("run", "envtoken", "--", "touch", str(marker),
+                                    env={"CONSUL_HTTP_ADDR": agent.http_addr, "CONSUL_HTTP_TOKEN": good}))
+    assert code == 0 and marker.exists() and "acquired consulrun/envtoken/lock" in err, err
+    marker.unlink()
+    code, _, err = finish(consulrun("run", "envtoken", "--", "touch", str(marker),
+                                    env={"CONSUL_HTTP_ADDR": agent.http_addr, "CONSUL_HTTP_TOKEN": weak}))
+    assert code == 77 and "Consul ACL denied it" in err and not marker.exists(), err
+    assert good not in err and weak not in err

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -12,7 +14,7 @@ from click.testing import CliRunner
 from consulrun.cli import main
 from consulrun.manifest import load_manifest
 from consulrun.render import render
-from tests.conftest import require_tool
+from tests.conftest import GOLDEN_REWRITTEN, require_tool
 
 REPO = Path(__file__).resolve().parents[1]
 GOLDEN = Path(__file__).parent / "golden"
@@ -30,12 +32,16 @@ def invoke(*args: str) -> tuple[int, str, str]:
 def test_golden(case: str, request: pytest.FixtureRequest) -> None:
     units = render(load_manifest(CASES[case]), CONSULRUN)
     expected_dir = GOLDEN / case / "expected"
-    if request.config.getoption("--update-golden"):
+    expected = {p.name: p.read_bytes().decode() for p in sorted(expected_dir.iterdir())} if expected_dir.is_dir() else {}
+    if units != expected and request.config.getoption("--update-golden"):
+        changed = sorted(n for n in {**units, **expected} if units.get(n) != expected.get(n))
         shutil.rmtree(expected_dir, ignore_errors=True)
         expected_dir.mkdir(parents=True)
         for name, text in units.items():
             (expected_dir / name).write_bytes(text.encode())
-    expected = {p.name: p.read_bytes().decode() for p in sorted(expected_dir.iterdir())}
+        paths = [str((expected_dir / n).relative_to(REPO)) for n in changed]
+        request.config.stash.setdefault(GOLDEN_REWRITTEN, []).extend(paths)
+        pytest.fail(f"--update-golden rewrote {', '.join(paths)}: not a passing test; review the diff", pytrace=False)
     assert units == expected
 
 
@@ -100,23 +106,62 @@ def test_refuses_to_overwrite_a_unit_it_did_not_generate(tmp_path: Path) -> None
     assert foreign.read_text() == "[Timer]\nOnCalendar=weekly\n"
 
 
-def test_unwritable_output_leaves_nothing(tmp_path: Path) -> None:
-    parent = tmp_path / "ro"
-    parent.mkdir()
-    parent.chmod(0o500)
+def test_unwritable_output_fails_before_staging(tmp_path: Path) -> None:
+    blocker = tmp_path / "file"  # a path below a regular file cannot be created, even by root
+    blocker.write_text("keep\n")
+    code, out, err = invoke("generate", str(CASES["minimal"]), "-o", str(blocker / "units"), "--consulrun-path", CONSULRUN)
+    assert (code, out) == (74, "")
+    assert f"cannot write units to {blocker / 'units'}" in err and "Not a directory" in err
+    assert [p.name for p in tmp_path.iterdir()] == ["file"] and blocker.read_text() == "keep\n"
+
+
+@pytest.fixture
+def small_fs(tmp_path: Path) -> Iterator[Callable[[str], Path]]:
+    """Mount a tiny tmpfs (real ENOSPC from the kernel, at the point the options choose); unmounted after."""
+    if os.geteuid() != 0:
+        pytest.fail("mounting a small tmpfs needs root", pytrace=False)
+    mounted: list[Path] = []
+
+    def mount(options: str) -> Path:
+        where = tmp_path / f"fs{len(mounted)}"
+        where.mkdir()
+        subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(where)], check=True)
+        mounted.append(where)
+        return where
+
+    yield mount
+    for where in mounted:
+        subprocess.run(["umount", str(where)], check=True)
+
+
+# Each unit file of `minimal` takes one 4 KiB page. With one page, the second file is created but its write fails
+# (stage() must remove it); with two inodes (the root and one file), creating the second file fails (write_units must
+# remove the first, already staged).
+@pytest.mark.parametrize("options", ["size=4k", "nr_inodes=2"])
+def test_failure_after_partial_staging_leaves_no_temporary_files(small_fs: Callable[[str], Path], options: str) -> None:
+    out = small_fs(options)
+    code, stdout, err = invoke("generate", str(CASES["minimal"]), "-o", str(out), "--consulrun-path", CONSULRUN)
+    assert (code, stdout) == (74, "")
+    assert f"cannot write units to {out}" in err and "No space left on device" in err and "nothing changed" in err
+    assert sorted(p.name for p in out.iterdir()) == []  # no .consulrun-*.service.XXXX left behind
+
+
+def test_failed_rename_puts_back_what_was_renamed(tmp_path: Path) -> None:
+    if os.geteuid() != 0:
+        pytest.fail("a bind mount needs root", pytrace=False)
+    out = tmp_path / "units"
+    assert invoke("generate", str(CASES["minimal"]), "-o", str(out), "--consulrun-path", CONSULRUN)[0] == 0
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    # A mount point cannot be renamed over (EBUSY): the timer, renamed after the service, fails.
+    pinned = out / "consulrun-nightly.timer"
+    subprocess.run(["mount", "--bind", str(pinned), str(pinned)], check=True)
     try:
-        code, _, err = invoke("generate", str(CASES["minimal"]), "-o", str(parent / "units"), "--consulrun-path", CONSULRUN)
-        if code == 0:  # root ignores directory permissions; use a path below a file instead
-            shutil.rmtree(parent / "units")
-            blocker = tmp_path / "file"
-            blocker.write_text("")
-            code, _, err = invoke("generate", str(CASES["minimal"]), "-o", str(blocker / "units"),
-                                  "--consulrun-path", CONSULRUN)
-        assert code == 74
-        assert "cannot write units" in err
-        assert not (parent / "units").exists()
+        code, _, err = invoke("generate", str(CASES["minimal"]), "-o", str(out), "--consulrun-path", "/opt/other/consulrun")
+        assert code == 74, err
+        assert "Device or resource busy" in err and "nothing changed" in err
+        assert {p.name: p.read_bytes() for p in out.iterdir()} == before  # the service got its old text back
     finally:
-        parent.chmod(0o700)
+        subprocess.run(["umount", str(pinned)], check=True)
 
 
 def test_template_override(tmp_path: Path) -> None:

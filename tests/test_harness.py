@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 from tests.harness.agents import Cluster, wait_for
@@ -32,3 +37,44 @@ def test_session_invalidated_when_its_node_agent_dies(cluster: Cluster) -> None:
              "the servers to invalidate node2's session")
     entry = cluster.server.get("kv/harness/lock")[0]
     assert "Session" not in entry
+
+
+# --- the suite's own rules: what may never pass as green ------------------------------------------------
+
+
+def _copy_of_repo(dest: Path) -> Path:
+    repo = Path(__file__).resolve().parents[1]
+    for part in ("consulrun", "templates", "tests", "examples"):
+        shutil.copytree(repo / part, dest / part, ignore=shutil.ignore_patterns("__pycache__", ".hypothesis"))
+    shutil.copy(repo / "pyproject.toml", dest / "pyproject.toml")
+    return dest
+
+
+def _pytest(where: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", *args], cwd=where,
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_update_golden_fails_the_run_and_names_the_files_it_rewrote(tmp_path: Path) -> None:
+    copy = _copy_of_repo(tmp_path)
+    stale = copy / "tests" / "golden" / "minimal" / "expected" / "consulrun-nightly.timer"
+    stale.write_text(stale.read_text().replace("OnCalendar=", "OnCalendar=weekly\n#"))
+    result = _pytest(copy, "tests/test_generate.py", "-k", "test_golden", "--update-golden")
+    assert result.returncode == 1, result.stdout
+    assert "--update-golden rewrote tests/golden/minimal/expected/consulrun-nightly.timer" in result.stdout
+    assert "weekly" not in stale.read_text()
+    again = _pytest(copy, "tests/test_generate.py", "-k", "test_golden", "--update-golden")
+    assert again.returncode == 1 and "--update-golden rewrote nothing" in again.stdout, again.stdout
+    assert _pytest(copy, "tests/test_generate.py", "-k", "test_golden").returncode == 0
+
+
+def test_xfail_and_skip_fail_the_run(tmp_path: Path) -> None:
+    copy = _copy_of_repo(tmp_path)
+    (copy / "tests" / "test_dodge.py").write_text(
+        "import pytest\n\n@pytest.mark.xfail(reason='known')\ndef test_x():\n    assert False\n\n"
+        "def test_s():\n    pytest.skip('later')\n\ndef test_ok():\n    pass\n")
+    for name, words in (("test_x", "1 xfailed"), ("test_s", "1 skipped")):
+        result = _pytest(copy, f"tests/test_dodge.py::{name}")
+        assert result.returncode == 1, result.stdout
+        assert f"FAILED: {words}; this suite treats a skip or an xfail as a failure" in result.stdout
+    assert _pytest(copy, "tests/test_dodge.py::test_ok").returncode == 0

@@ -9,6 +9,7 @@ import pytest
 from click.testing import CliRunner
 
 from consulrun.cli import main
+from consulrun.durations import DurationError, format_duration, parse_duration
 from consulrun.manifest import LockSettings, load_manifest
 from tests.conftest import require_tool
 
@@ -283,3 +284,74 @@ def test_any_value_anywhere_is_accepted_or_a_positioned_error(tmp_path: Path) ->
             assert all(positioned.match(line) for line in result.stderr.splitlines()), (path, value, result.stderr)
 
     check()
+
+
+# Every range check at both edges: the value on the edge is accepted, one step past it is refused with the message.
+BOUNDS = [
+    ("lock", "ttl", "10s", "9999ms", "Consul accepts a session TTL from 10s to 24h"),
+    ("lock", "ttl", "24h", "86400001ms", "Consul accepts a session TTL from 10s to 24h"),
+    ("lock", "ttl", 10, 9, "Consul accepts a session TTL from 10s to 24h"),
+    ("lock", "ttl", 86400, 86401, "Consul accepts a session TTL from 10s to 24h"),
+    ("lock", "lock_delay", 60, 61, "lock_delay must be 5s to 60s; less would let another node start before a "
+                                   "partitioned holder stops"),
+    ("lock", "lock_delay", "5s", "4999ms", "lock_delay must be 5s to 60s; less would let another node start before a "
+                                           "partitioned holder stops"),
+    ("lock", "lock_delay", "60s", "60001ms", "lock_delay must be 5s to 60s; less would let another node start before "
+                                             "a partitioned holder stops"),
+    ("lock", "concurrency", 1, 0, "must be between 1 and 1000"),
+    ("lock", "concurrency", 1000, 1001, "must be between 1 and 1000"),
+    ("lock", "skip_exit_code", 0, -1, "must be between 0 and 255"),
+    ("lock", "skip_exit_code", 255, 256, "must be between 0 and 255"),
+    (None, "history", 1, 0, "must be between 1 and 1000"),
+    (None, "history", 1000, 1001, "must be between 1 and 1000"),
+]
+
+
+@pytest.mark.parametrize(("block", "key", "edge", "past", "message"), BOUNDS,
+                         ids=[f"{b[1]}-{b[2]}" for b in BOUNDS])
+def test_range_edges(block: str | None, key: str, edge: object, past: object, message: str, tmp_path: Path) -> None:
+    manifest = tmp_path / "jobs.yaml"
+    for value, accepted in ((edge, True), (past, False)):
+        setting = f"    {block}: {{{key}: {value}}}\n" if block else f"    {key}: {value}\n"
+        manifest.write_text("jobs:\n  a:\n" + OK_JOB + setting)
+        result = CliRunner().invoke(main, ["generate", str(manifest), "-o", "-", "--consulrun-path", "/x/consulrun"])
+        if accepted:
+            assert result.exit_code == 0, result.stderr
+            ms = value * 1000 if isinstance(value, int) else parse_duration(str(value))
+            rendered = {"ttl": f"--ttl {format_duration(ms)} ", "lock_delay": f"--lock-delay {format_duration(ms)} "}
+            assert rendered.get(key, "") in result.stdout  # the value reaches the unit as the manifest said
+        else:
+            assert result.exit_code == 2 and result.stdout == ""
+            (line,) = result.stderr.splitlines()
+            where = f"jobs.a.{block + '.' if block else ''}{key}"
+            if message.startswith("must be between"):
+                assert line.endswith(f"{where}: {message}, not {past}"), line
+            else:
+                assert line.endswith(f"{where}: {past!r} is out of range: {message}"), line
+
+
+def test_parse_duration() -> None:
+    assert [parse_duration(t) for t in ("0", "500ms", "15s", "1m30s", "2h", "1d", "1h1m1s1ms")] == \
+        [0, 500, 15_000, 90_000, 7_200_000, 86_400_000, 3_661_001]
+    with pytest.raises(DurationError) as caught:
+        parse_duration("5 minutes")
+    assert str(caught.value) == "'5 minutes' is not a duration (use e.g. 500ms, 15s, 1m30s, 2h)"
+
+
+@pytest.mark.parametrize("key", ["ttl", "lock_delay"])
+def test_boolean_duration_is_one_type_error_not_a_range_error(key: str, tmp_path: Path) -> None:
+    manifest = tmp_path / "jobs.yaml"
+    manifest.write_text("jobs:\n  a:\n" + OK_JOB + f"    lock: {{{key}: true}}\n")
+    result = CliRunner().invoke(main, ["generate", str(manifest), "-o", "-", "--consulrun-path", "/x/consulrun"])
+    assert result.exit_code == 2
+    (line,) = result.stderr.splitlines()
+    assert f"jobs.a.lock.{key}: True must be a duration such as" in line, line
+
+
+def test_a_malformed_job_does_not_hide_the_next_jobs_problems(tmp_path: Path) -> None:
+    manifest = tmp_path / "jobs.yaml"
+    manifest.write_text("jobs:\n  a: 5\n  b:\n" + OK_JOB + "    lock: {ttl: 2s}\n")
+    result = CliRunner().invoke(main, ["generate", str(manifest), "-o", "-", "--consulrun-path", "/x/consulrun"])
+    assert result.exit_code == 2
+    lines = result.stderr.splitlines()
+    assert len(lines) == 2 and "jobs.a:" in lines[0] and "jobs.b.lock.ttl: '2s' is out of range" in lines[1], lines

@@ -23,9 +23,12 @@ FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-
 
 
 def chromium(url: str, *args: str) -> subprocess.CompletedProcess[str]:
+    """Run headless Chromium on `url`; a browser that failed is a failed test, whatever it printed."""
     with tempfile.TemporaryDirectory() as profile:
-        return subprocess.run([require_tool("chromium"), *FLAGS, f"--user-data-dir={profile}", *args, url],
-                              capture_output=True, text=True, timeout=120)
+        result = subprocess.run([require_tool("chromium"), *FLAGS, f"--user-data-dir={profile}", *args, url],
+                                capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, f"chromium exited {result.returncode}: {result.stderr[-2000:]}"
+    return result
 
 
 def test_ui_shows_job_key_holder_node_and_session(consul: Agent, tmp_path: Path, artifacts: Path) -> None:

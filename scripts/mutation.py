@@ -1,0 +1,174 @@
+"""Driver behind scripts/mutation: mutmut's mutants, run group by group in a scratch copy, then a report.
+
+The mutants are mutmut's own (its parso-based operators: numbers, strings,
+comparisons, and/or, keywords, arguments, assignments...), listed and applied
+through its library API. Running them is done here, one at a time, because:
+- the protocol is tested through subprocesses (`python -m consulrun` against
+  a real agent), so the mutant must be on disk; mutmut 3 only learns which
+  tests cover a function from calls inside the pytest process and would call
+  most protocol mutants untested;
+- mutmut 2's own runner keeps its cache keyed by line text and, here, recorded
+  a mutated line as the original halfway through a run, then stopped.
+Results are kept per group (WORK/<group>/results.json), so a run cut short by
+its budget goes on where it stopped; a changed line is a new mutant.
+"""
+
+from __future__ import annotations
+
+import ast
+import difflib
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import time
+import tomllib
+from pathlib import Path
+
+from mutmut import ALL, Context, list_mutations, mutate
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIG = REPO / "scripts" / "mutation.toml"
+WORK = Path(os.environ.get("MUTATION_DIR", "/tmp/consulrun-mutation"))
+BUDGET_S = int(os.environ.get("MUTATION_BUDGET", "3600"))
+
+
+def copy_checkout(work: Path) -> None:
+    """The checkout's files as they are now (committed or not), over a scratch copy; results.json stays."""
+    work.mkdir(parents=True, exist_ok=True)
+    files = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=REPO,
+                           check=True, capture_output=True).stdout.split(b"\0")
+    names = b"\0".join(f for f in files if f and (REPO / os.fsdecode(f)).is_file()) + b"\0"
+    tar = subprocess.run(["tar", "--null", "-T", "-", "-cf", "-"], cwd=REPO, input=names, capture_output=True,
+                         check=True)
+    subprocess.run(["tar", "-xf", "-", "-C", str(work)], input=tar.stdout, check=True)
+
+
+def selected_lines(path: Path, names: list[str]) -> set[int]:
+    """1-based line numbers of the named top-level functions/classes/assignments (or Class.method); all if none."""
+    source = path.read_text(encoding="utf-8")
+    if not names:
+        return set(range(1, len(source.splitlines()) + 1))
+    found: dict[str, tuple[int, int]] = {}
+    for node in ast.parse(source).body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            found[node.name] = (node.lineno, node.end_lineno or node.lineno)
+            for item in node.body if isinstance(node, ast.ClassDef) else []:
+                if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    found[f"{node.name}.{item.name}"] = (item.lineno, item.end_lineno or item.lineno)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            for target in node.targets if isinstance(node, ast.Assign) else [node.target]:
+                if isinstance(target, ast.Name):
+                    found[target.id] = (node.lineno, node.end_lineno or node.lineno)
+    missing = [n for n in names if n not in found]
+    if missing:
+        sys.exit(f"mutation: {path.name} has no {', '.join(missing)} (scripts/mutation.toml is stale)")
+    return {line for n in names for line in range(found[n][0], found[n][1] + 1)}
+
+
+def mutants_of(work: Path, rel: str, names: list[str]) -> list[tuple[str, str, str]]:
+    """(key, mutated source, one-line diff) for each of mutmut's mutants on the selected lines of `rel`."""
+    source = (work / rel).read_text(encoding="utf-8")
+    lines = selected_lines(work / rel, names)
+    out = []
+    for mid in list_mutations(Context(source=source, filename=rel, mutation_id=ALL)):
+        if mid.line_number + 1 not in lines:
+            continue
+        mutated, count = mutate(Context(source=source, filename=rel, mutation_id=mid))
+        if not count:
+            continue
+        diff = "".join(difflib.unified_diff(source.splitlines(keepends=True), mutated.splitlines(keepends=True),
+                                            f"a/{rel}", f"b/{rel}", n=0))
+        key = f"{rel}:{mid.line_number + 1}:{mid.index}:" + hashlib.sha1(mid.line.encode()).hexdigest()[:10]
+        out.append((key, mutated, diff))
+    return out
+
+
+def run_tests(work: Path, tests: list[str], timeout_s: float) -> tuple[str, float]:
+    env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}  # a stale .pyc must never hide a mutant
+    started = time.monotonic()
+    try:
+        result = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *tests],
+                                cwd=work, env=env, capture_output=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return "timeout", time.monotonic() - started
+    return ("survived" if result.returncode == 0 else "killed"), time.monotonic() - started
+
+
+def run_group(name: str, group: dict, deadline: float) -> None:
+    work = WORK / name
+    copy_checkout(work)
+    results_path = work / "results.json"
+    results: dict = json.loads(results_path.read_text()) if results_path.exists() else {}
+    mutants = [m for rel, names in group["mutate"].items() for m in mutants_of(work, rel, names)]
+    todo = [m for m in mutants if m[0] not in results]
+    print(f"mutation: {name}: {len(mutants)} mutants, {len(todo)} to run; tests: {' '.join(group['tests'])}",
+          flush=True)
+    if not todo:
+        return
+    status, baseline = run_tests(work, group["tests"], timeout_s=1800)
+    if status != "survived":
+        sys.exit(f"mutation: {name}: the tests fail without any mutant ({status}); fix that first")
+    timeout_s = max(3 * baseline, baseline + 60)  # a mutant that hangs a test is caught, not waited for
+    originals = {rel: (work / rel).read_text(encoding="utf-8") for rel in group["mutate"]}
+    try:
+        for key, mutated, diff in todo:
+            if time.monotonic() > deadline:
+                print(f"mutation: {name}: budget spent; rerun to go on", flush=True)
+                break
+            rel = key.split(":", 1)[0]
+            (work / rel).write_text(mutated, encoding="utf-8")
+            try:
+                status, took = run_tests(work, group["tests"], timeout_s)
+            finally:
+                (work / rel).write_text(originals[rel], encoding="utf-8")
+            results[key] = {"status": status, "seconds": round(took, 1), "diff": diff}
+            results_path.write_text(json.dumps(results, indent=1, sort_keys=True))
+            print(f"  {status:8} {key.rsplit(':', 1)[0]} ({took:.0f}s)", flush=True)
+    finally:
+        for rel, text in originals.items():
+            (work / rel).write_text(text, encoding="utf-8")
+    results_path.write_text(json.dumps(results, indent=1, sort_keys=True))
+
+
+def report(groups: dict[str, dict]) -> None:
+    """Counts per group, then every mutant that was not killed, with its diff."""
+    summary, details = ["# scripts/mutation report", ""], []
+    for name, group in groups.items():
+        work = WORK / name
+        current = {m[0] for rel, names in group["mutate"].items() for m in mutants_of(work, rel, names)} \
+            if work.exists() else set()
+        path = work / "results.json"
+        results = {k: v for k, v in (json.loads(path.read_text()) if path.exists() else {}).items() if k in current}
+        counts: dict[str, int] = {}
+        for value in results.values():
+            counts[value["status"]] = counts.get(value["status"], 0) + 1
+        counts["not run yet"] = len(current) - len(results)
+        summary.append(f"{name}: {len(current)} mutants: " + ", ".join(f"{v} {k}" for k, v in sorted(counts.items())))
+        for key in sorted(results, key=lambda k: (k.split(":")[0], int(k.split(":")[1]), int(k.split(":")[2]))):
+            if results[key]["status"] == "survived":
+                details += [f"## {name}: {key.rsplit(':', 1)[0]}", "```diff", results[key]["diff"].rstrip(), "```", ""]
+    out = WORK / "mutation-report.md"
+    out.write_text("\n".join(summary + [""] + details) + "\n")
+    print("\n".join(summary))
+    print(f"mutation: every surviving mutant, with its diff: {out}")
+
+
+def main(argv: list[str]) -> int:
+    groups: dict[str, dict] = tomllib.loads(CONFIG.read_text())["groups"]
+    if argv[:1] == ["--report"]:
+        report({g: groups[g] for g in (argv[1:] or groups)})
+        return 0
+    unknown = [g for g in argv if g not in groups]
+    if unknown:
+        sys.exit(f"mutation: no group {', '.join(unknown)}; groups: {', '.join(groups)}")
+    chosen = {g: groups[g] for g in (argv or groups)}
+    for name, group in chosen.items():
+        run_group(name, group, time.monotonic() + BUDGET_S)
+    report(chosen)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
