@@ -138,8 +138,9 @@ def test_defaults_merge_key_by_key(tmp_path: Path) -> None:
 
 def test_string_command_is_split_like_a_shell(tmp_path: Path) -> None:
     manifest = tmp_path / "jobs.yaml"
-    manifest.write_text("jobs:\n  a:\n    command: /bin/echo 'two words' \"and $NOT_EXPANDED\"\n    schedule: daily\n")
-    assert load_manifest(manifest).jobs[0].command == ("/bin/echo", "two words", "and $NOT_EXPANDED")
+    manifest.write_text("jobs:\n  a:\n    command: /bin/echo 'two words' 'and $NOT_EXPANDED' a\\$b\n"
+                        "    schedule: daily\n")
+    assert load_manifest(manifest).jobs[0].command == ("/bin/echo", "two words", "and $NOT_EXPANDED", "a$b")
 
 
 SPECS = ["daily", "*-*-* 02:00:00", "Mon..Fri 09:00", "hourly", "weekly", "quarterly", "*:0/5",
