@@ -231,48 +231,13 @@ SHELL = "/bin/sh"
 
 def _check_shell(problems: _Problems, job: dict[str, Any], jpath: tuple[Any, ...]) -> None:
     """A command string with shell syntax needs `shell: true`; `shell: true` needs a command string."""
-    command, shell = job.get("command"), job.get("shell")
-    if shell is True and isinstance(command, list):
-        problems.add(jpath + ("shell",), "shell: true runs one command string with /bin/sh -c; write the command as a "
-                                         "string, or drop shell: and keep the list")
-    elif shell is not True and isinstance(command, str):
-        found = shellsyntax.first_syntax(command)
-        if found:
-            index, what = found
-            problems.add(jpath + ("command",),
-                         f"has shell syntax ({what} at character {index + 1}) that would be passed on literally, "
-                         "not interpreted; add 'shell: true' to run it with /bin/sh -c, or quote it")
+    for field, message in shellsyntax.command_problems(job.get("command"), job.get("shell")):
+        problems.add(jpath + (field,), message)
 
 
 def _check_settings(problems: _Problems, block: Any, path: tuple[Any, ...], section: str) -> None:
-    """Names systemd documents for the section and consulrun does not own; values a unit file can hold."""
-    if not isinstance(block, dict):
-        return
-    for name, value in block.items():
-        if section == "timer" and not (isinstance(name, str) and name[:1].isupper()):
-            continue  # consulrun's own timer keys, checked by the schema
-        problem = unitsettings.name_problem(section, name)
-        if problem:
-            problems.add(path + (name,), problem, key=True)
-            continue
-        if isinstance(value, bool) or isinstance(value, (str, int)):
-            items = [(path + (name,), value)]
-        elif isinstance(value, list):
-            items = [(path + (name, i), item) for i, item in enumerate(value)]
-        else:
-            continue  # the schema reports the type
-        for where, item in items:
-            if isinstance(item, (list, dict, float)) or item is None:
-                continue
-            text = unitsettings.values(item)[0]
-            try:
-                unitescape.escape(text, unitescape.Context.PLAIN)
-            except unitescape.UnrepresentableError as exc:
-                problems.add(where, f"cannot be written to a unit file: {exc}")
-                continue
-            problem = unitsettings.value_problem(name, text)
-            if problem:
-                problems.add(where, problem)
+    for where, message, key in unitsettings.block_problems(block, section):
+        problems.add(path + where, message, key=key)
 
 
 def _check_representable(problems: _Problems, job: dict[str, Any], jpath: tuple[Any, ...]) -> None:
@@ -369,7 +334,7 @@ def _timer(raw: dict[str, Any]) -> TimerSettings:
 
 def _settings(raw: dict[str, Any]) -> tuple[tuple[str, str], ...]:
     """Extra unit lines from a merged settings mapping: systemd names only, sorted, a list giving one line per item."""
-    return tuple((name, text) for name in sorted(k for k in raw if k[:1].isupper())
+    return tuple((name, text) for name in sorted(k for k in raw if unitsettings.is_setting_name(k))
                  for text in unitsettings.values(raw[name]))
 
 

@@ -10,6 +10,7 @@ character a shell would have treated as syntax.
 from __future__ import annotations
 
 import re
+from typing import Any
 
 _OPERATORS = set("|&;<>()`")
 _GLOB = set("*?[")
@@ -67,3 +68,16 @@ def _expansion(command: str, i: int) -> str:
     match = re.match(r"\$(?:\{[^}]*\}?|\(\(?|[A-Za-z_][A-Za-z0-9_]*|.)", command[i:])
     text = match.group(0) if match else "$"
     return f"the expansion {text!r}"
+
+
+def command_problems(command: Any, shell: Any) -> list[tuple[str, str]]:
+    """(job key, message) for a `shell: true` with an argv, or a command string with shell syntax and no `shell:`."""
+    if shell is True and isinstance(command, list):
+        return [("shell", "shell: true runs one command string with /bin/sh -c; write the command as a string, or "
+                          "drop shell: and keep the list")]
+    found = first_syntax(command) if shell is not True and isinstance(command, str) else None
+    if found is None:
+        return []
+    index, what = found
+    return [("command", f"has shell syntax ({what} at character {index + 1}) that would be passed on literally, not "
+                        "interpreted; add 'shell: true' to run it with /bin/sh -c, or quote it")]

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import difflib
 import json
+import re
 from importlib import resources
 from typing import Any
 
@@ -118,3 +119,41 @@ def escape(name: str, value: str) -> str:
     """The unit-file text of one value of setting `name` (checked by `value_problem` when the manifest loaded)."""
     context = unitescape.Context.NO_SPECIFIERS if name in PERCENT_SETTINGS else unitescape.Context.PLAIN
     return unitescape.escape(value, context)
+
+
+def is_setting_name(key: Any) -> bool:
+    """systemd setting names are capitalised; consulrun's own keys (`timer.accuracy`) are not."""
+    return isinstance(key, str) and re.match(r"[A-Z]", key) is not None
+
+
+def block_problems(block: Any, section: str) -> list[tuple[tuple[Any, ...], str, bool]]:
+    """(path within the block, message, whether the key is at fault) for a `service:` or `timer:` mapping.
+
+    Names must be documented for the section and not consulrun's; values must
+    be writable to a unit file. Types are the schema's to report.
+    """
+    if not isinstance(block, dict):
+        return []
+    problems: list[tuple[tuple[Any, ...], str, bool]] = []
+    for name, value in block.items():
+        if section == "timer" and not is_setting_name(name):
+            continue  # consulrun's own timer keys, checked by the schema
+        problem = name_problem(section, name)
+        if problem:
+            problems.append(((name,), problem, True))
+            continue
+        items = list(enumerate(value)) if isinstance(value, list) else [(None, value)]
+        for index, item in items:
+            if isinstance(item, (list, dict, float)) or item is None:
+                continue
+            where = (name,) if index is None else (name, index)
+            text = values(item)[0]
+            try:
+                unitescape.escape(text, unitescape.Context.PLAIN)
+            except unitescape.UnrepresentableError as exc:
+                problems.append((where, f"cannot be written to a unit file: {exc}", False))
+                continue
+            problem = value_problem(name, text)
+            if problem:
+                problems.append((where, problem, False))
+    return problems
