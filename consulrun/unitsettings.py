@@ -91,7 +91,8 @@ def name_problem(section: str, name: Any) -> str | None:
         return None
     for other in ("service", "timer", "unit"):
         if other != section and name in known(other):
-            where = f"put it under {other}:" if other != "unit" else "consulrun writes only [Service] and [Timer] settings"
+            where = (f"put it under {other}:" if other != "unit"
+                     else "consulrun writes only [Service] and [Timer] settings")
             return f"{name}= is a {SECTION_TITLES[other]} setting, not a {title} one; {where}"
     by_lower = {n.lower(): n for n in known(section)}
     hint = by_lower.get(name.lower()) or next(iter(difflib.get_close_matches(name, known(section), n=1)), None)
