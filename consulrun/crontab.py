@@ -28,6 +28,7 @@ from consulrun.errors import UsageError
 _ENV = re.compile(r"\s*(?P<name>\"[^\"]*\"|'[^']*'|[^=\s]+)\s*=\s*(?P<value>.*?)\s*")
 _VARIABLE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _USER = re.compile(r"[A-Za-z_][A-Za-z0-9_.-]{0,31}\$?")
+_PLAIN_COMMAND = re.compile(r"[A-Za-z0-9_@%+=:,./ '\"-]+")
 _NAME_CHARS = re.compile(r"[^A-Za-z0-9_.-]+")
 DEFAULT_SHELL = "/bin/sh"
 _CRON_ONLY = {"SHELL", "MAILTO", "CRON_TZ", "MAILFROM", "CONTENT_TYPE", "CONTENT_TRANSFER_ENCODING", "RANDOM_DELAY"}
@@ -107,7 +108,9 @@ def _command(text: str, shell: str) -> tuple[str | list[str], bool]:
         command = f"printf '%s' {shlex.quote(stdin)} | {{\n{command}\n}}"
     if shell != DEFAULT_SHELL:
         return [shell, "-c", command], False
-    if stdin is None and shellsyntax.first_syntax(command) is None:
+    # An argv only where sh and consulrun provably split alike: plain characters, quotes without anything special
+    # inside; anything else runs with /bin/sh -c, as cron ran it.
+    if stdin is None and _PLAIN_COMMAND.fullmatch(command) and shellsyntax.first_syntax(command) is None:
         try:
             if shlex.split(command):
                 return command, False
@@ -148,7 +151,7 @@ def convert(text: str, source: str, system: bool = False) -> str:
     problems: list[str] = []
     jobs: list[_Job] = []
     taken: set[str] = set()
-    for number, raw in enumerate(text.splitlines(), start=1):
+    for number, raw in enumerate(text.split("\n"), start=1):  # cron's lines end at a newline and nothing else
         line = raw.strip()
         if not line or line.startswith("#"):
             continue
@@ -184,8 +187,11 @@ def convert(text: str, source: str, system: bool = False) -> str:
         except cronfields.CronError as exc:
             problems.append(f"{where}: cannot convert {line!r}: {exc}")
             continue
-        if job is not None:
-            jobs.append(job)
+        problem = _job_problem(job)
+        if problem:
+            problems.append(f"{where}: cannot convert {line!r}: {problem}")
+            continue
+        jobs.append(job)
     manifest = _render(jobs, notes, problems, source)
     _self_check(manifest, source)
     if problems:
@@ -252,6 +258,18 @@ _Dumper.add_representer(str, _str)
 def _printable(text: str) -> str:
     """Text for a YAML comment: control characters would end it or make the stream invalid."""
     return re.sub(r"[\x00-\x1f\x7f-\x9f]", "?", text)
+
+
+def _job_problem(job: _Job) -> str | None:
+    """Why the job would not load as a manifest (a value a unit file cannot hold), or None."""
+    from consulrun.errors import ManifestError
+    from consulrun.manifest import parse_manifest
+
+    try:
+        parse_manifest(yaml.safe_dump({"jobs": job.data}), "-")
+    except ManifestError as exc:
+        return exc.problems[0].split(": ", 2)[-1]
+    return None
 
 
 def _self_check(manifest: str, source: str) -> None:

@@ -14,6 +14,8 @@ from typing import Any
 
 _OPERATORS = set("|&;<>()`")
 _GLOB = set("*?[")
+_RESERVED = {"!", "{", "}", "if", "then", "else", "elif", "fi", "case", "esac", "for", "while", "until", "do", "done",
+             "in"}
 _ASSIGNMENT = re.compile(r"\s*([A-Za-z_][A-Za-z0-9_]*=)")
 _PARAMETER = re.compile(r"\$(?:[A-Za-z_{(]|[0-9@*#?$!-])")
 
@@ -27,6 +29,9 @@ def first_syntax(command: str) -> tuple[int, str] | None:
     assignment = _ASSIGNMENT.match(command)
     if assignment:
         return assignment.start(1), f"the variable assignment {assignment.group(1)!r}"
+    first = command.split(None, 1)[0] if command.strip() else ""
+    if first in _RESERVED:
+        return command.index(first), f"the shell keyword {first!r}"
     quote = ""
     word_start = True
     i = 0

@@ -126,6 +126,14 @@ def test_unconvertible_lines_are_reported_with_line_numbers_and_the_rest_printed
     assert "# not converted: <stdin>:2: cannot convert '@reboot root /bin/warm'" in out
 
 
+def test_a_value_no_unit_file_can_hold_is_reported_for_its_line() -> None:
+    code, out, err = convert("0 2 * * * /bin/echo a\x00b\n0 3 * * * /bin/ok\n")
+    assert code == 2
+    assert err == ("Error: <stdin>:1: cannot convert '0 2 * * * /bin/echo a\\x00b': cannot be written to a unit "
+                   "file: contains a NUL character\n")
+    assert list(yaml.safe_load(out)["jobs"]) == ["ok"]
+
+
 def test_nothing_convertible_prints_no_manifest() -> None:
     code, out, err = convert("@reboot /bin/warm\n")
     assert (code, out) == (2, "")
@@ -145,3 +153,26 @@ def test_full_disk_exits_74_with_one_line(tmp_path: Path) -> None:
                                 stderr=subprocess.PIPE, input="0 2 * * * /bin/true\n", text=True, timeout=60,
                                 env={**os.environ, "PYTHONPATH": str(EXAMPLES.parent)})
     assert (result.returncode, result.stderr) == (74, "Error: writing output failed: no space left on device\n")
+
+
+def test_any_crontab_text_converts_or_reports_never_a_traceback() -> None:
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    field = st.sampled_from(["*", "*/5", "0", "1-5", "mon", "jan-mar", "L", "99", "5/0", "@daily", "@reboot", "x=1"])
+    words = st.text(alphabet=st.sampled_from(list("ab $%\\'\"|;&<>()`*#~={}!\t")), max_size=20)
+    line = st.one_of(st.builds(lambda f, w: " ".join(f) + " " + w, st.lists(field, min_size=1, max_size=7), words),
+                     st.text(max_size=40))
+
+    @settings(max_examples=300, deadline=None)
+    @given(st.lists(line, max_size=6), st.booleans())
+    def check(lines: list[str], system: bool) -> None:
+        result = CliRunner().invoke(main, ["import-crontab", "-", *(["--system"] if system else [])],
+                                    input="\n".join(lines) + "\n")
+        assert result.exit_code in (0, 2), (lines, result.exception)
+        assert result.exception is None or isinstance(result.exception, SystemExit), (lines, result.exception)
+        if result.stdout:
+            parse_manifest(result.stdout, "<converted>")
+        assert all(line.startswith("Error: ") for line in result.stderr.splitlines())
+
+    check()

@@ -161,6 +161,8 @@ def test_percent_settings_resolve_no_specifiers(name: str, tmp_path: Path) -> No
     ("rm /tmp/*.log", "the wildcard '*' at character 9"),
     ("FOO=1 /bin/x", "the variable assignment 'FOO=' at character 1"),
     ("/bin/x # note", "a '#' comment at character 8"),
+    ("if true; then x; fi", "the shell keyword 'if' at character 1"),
+    ("echo \"\\$HOME\"", "a backslash escape of '$' or '`' inside double quotes at character 7"),
 ])
 def test_shell_syntax_without_shell_is_an_error_that_suggests_it(command: str, what: str) -> None:
     assert errors(job("", command=json.dumps(command))) == [
