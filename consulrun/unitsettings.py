@@ -19,7 +19,7 @@ from typing import Any
 from consulrun import unitescape
 
 _KNOWN: dict[str, Any] = json.loads(resources.files("consulrun").joinpath("systemd_settings.json").read_text())
-SECTION_TITLES = {"service": "[Service]", "timer": "[Timer]", "unit": "[Unit]"}
+SECTION_TITLES = {"service": "[Service]", "timer": "[Timer]", "unit": "[Unit] or [Install]"}
 
 _FENCING = "consulrun sets it so that systemd kills the whole job before another node can take the lock (see Fencing)"
 _OUTSIDE_LOCK = "it would run on every node, outside the lock; make it part of the job's command"

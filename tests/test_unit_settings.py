@@ -56,7 +56,7 @@ def job(extra: str, command: str = "[/bin/true]") -> str:
     ("    service: {'Nice=': 5}\n", "<stdin>:5:15: jobs.a.service['Nice=']: write the setting name without '=': Nice"),
     ("    service: {WakeSystem: true}\n", "WakeSystem= is a [Timer] setting, not a [Service] one; put it under timer:"),
     ("    timer: {Nice: 3}\n", "Nice= is a [Service] setting, not a [Timer] one; put it under service:"),
-    ("    service: {OnFailure: alert.service}\n", "OnFailure= is a [Unit] setting, not a [Service] one; consulrun "
+    ("    service: {OnFailure: alert.service}\n", "OnFailure= is a [Unit] or [Install] setting, not a [Service] one; consulrun "
                                                  "writes only [Service] and [Timer] settings"),
     ("    service: {SyslogIdentifier: 'a%b'}\n", "<stdin>:5:33: jobs.a.service.SyslogIdentifier: has a '%', which "
                                                 "SyslogIdentifier= may or may not read as a specifier"),
