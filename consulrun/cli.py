@@ -33,7 +33,7 @@ Exit statuses:
   0   success (for `run`: the job's own status is passed through)
   1   failure without a more specific status (e.g. `generate --check` found changes);
       `status`: a job's last run failed, was lost or was abandoned
-  2   bad usage or invalid manifest
+  2   bad usage or invalid manifest; `import-crontab`: a line it could not convert
   3   `status`: a due occurrence was missed (claimed by no node in time)
   4   `status`: a run has lasted longer than its job's timeout
   5   `status`: a lock is held by a vanished or critical session, or a dead process
@@ -148,15 +148,7 @@ def _read_manifest(manifest: Path) -> tuple["Manifest", str]:
     """Load and validate MANIFEST, or standard input for `-`; also return its text (sent on by `install --host`)."""
     from consulrun.manifest import parse_manifest  # imported here: `run` should not pay for the validator
 
-    if str(manifest) == "-":
-        text, source = sys.stdin.read(), "<stdin>"
-    else:
-        try:
-            text, source = manifest.read_text(encoding="utf-8"), str(manifest)
-        except OSError as exc:
-            raise UsageError(f"{manifest}: {os_reason(exc)}") from None
-        except UnicodeDecodeError as exc:
-            raise UsageError(f"{manifest}: not UTF-8 text (byte {exc.start})") from None
+    text, source = _read_text(manifest)
     return parse_manifest(text, source), text
 
 
@@ -574,6 +566,40 @@ def unlock(targets: tuple[str, ...], prefix: str | None, yes: bool, force: bool,
         client.session_destroy(holder["session"])
         logging.getLogger("consulrun").warning("%s: unlocked: destroyed session %s held by %s (%s)", job,
                                                holder["session"], holder["node"], holder["health"])
+
+
+@main.command("import-crontab")
+@click.argument("crontab", type=click.Path(allow_dash=True, path_type=Path))
+@click.option("--system", is_flag=True,
+              help="The /etc/crontab and /etc/cron.d format: a user column before the command "
+                   "[default: on for /etc/crontab and /etc/cron.d/*].")
+def import_crontab(crontab: Path, system: bool) -> None:
+    """Print a manifest for the jobs of CRONTAB (a file, or - for standard input).
+
+    Lines it cannot convert are reported on stderr with their line numbers
+    (exit 2); the manifest of the others is still printed.
+    """
+    from consulrun.crontab import CrontabError, convert
+
+    text, source = _read_text(crontab)
+    system = system or str(crontab) == "/etc/crontab" or str(crontab.parent) == "/etc/cron.d"
+    try:
+        click.echo(convert(text, source, system=system), nl=False)
+    except CrontabError as exc:
+        click.echo(exc.manifest, nl=False)
+        raise
+
+
+def _read_text(path: Path) -> tuple[str, str]:
+    """The text of PATH, or of standard input for `-`, and the name messages give it."""
+    if str(path) == "-":
+        return sys.stdin.read(), "<stdin>"
+    try:
+        return path.read_text(encoding="utf-8"), str(path)
+    except OSError as exc:
+        raise UsageError(f"{path}: {os_reason(exc)}") from None
+    except UnicodeDecodeError as exc:
+        raise UsageError(f"{path}: not UTF-8 text (byte {exc.start})") from None
 
 
 @main.command("acl-policy")

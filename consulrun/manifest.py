@@ -18,7 +18,7 @@ from typing import Any
 import jsonschema
 import yaml
 
-from consulrun import unitescape
+from consulrun import shellsyntax, unitescape, unitsettings
 from consulrun.address import AddressError, parse_address
 from consulrun.durations import (DURATION_MAX_MS, LOCK_DELAY_RANGE_MS, TTL_RANGE_MS, DurationError, format_duration,
                                  parse_duration, range_text)
@@ -70,6 +70,9 @@ class Job:
     timer: TimerSettings
     on_holder_loss: str = "skip"
     history: int = 20
+    shell: bool = False
+    service_settings: tuple[tuple[str, str], ...] = ()  # extra [Service] lines, in order
+    timer_settings: tuple[tuple[str, str], ...] = ()  # extra [Timer] lines, in order
 
 
 @dataclass(frozen=True)
@@ -133,7 +136,10 @@ def _schema_problem(err: jsonschema.ValidationError, problems: _Problems) -> Non
     schema = err.schema
     if kind == "additionalProperties":
         known = sorted(schema.get("properties", {}))
-        for extra in sorted(set(err.instance) - set(known), key=str):
+        patterns = list(schema.get("patternProperties", {}))
+        extras = {k for k in set(err.instance) - set(known)
+                  if not (isinstance(k, str) and any(re.search(pat, k) for pat in patterns))}
+        for extra in sorted(extras, key=str):
             hint = difflib.get_close_matches(str(extra), known, n=1)
             suffix = f" (did you mean {hint[0]!r}?)" if hint else f" (known keys: {', '.join(known)})"
             problems.add(path + (extra,), f"unknown key {_shown(extra)}{suffix}", key=True)
@@ -204,9 +210,12 @@ def _check_duration(problems: _Problems, path: tuple[Any, ...], value: Any, boun
         problems.add(path, f"{_shown(value)} is out of range: at most {format_duration(DURATION_MAX_MS)}")
 
 
-def _split_command(problems: _Problems, path: tuple[Any, ...], command: str | list[str]) -> tuple[str, ...]:
+def _split_command(problems: _Problems, path: tuple[Any, ...], command: str | list[str],
+                   shell: bool = False) -> tuple[str, ...]:
     if isinstance(command, list):
         return tuple(command)
+    if shell:
+        return (SHELL, "-c", command)
     try:
         argv = shlex.split(command)
     except ValueError as exc:
@@ -217,11 +226,18 @@ def _split_command(problems: _Problems, path: tuple[Any, ...], command: str | li
     return tuple(argv)
 
 
-def _words(command: str) -> list[str]:
-    try:
-        return shlex.split(command)
-    except ValueError:  # reported by _split_command
-        return []
+SHELL = "/bin/sh"
+
+
+def _check_shell(problems: _Problems, job: dict[str, Any], jpath: tuple[Any, ...]) -> None:
+    """A command string with shell syntax needs `shell: true`; `shell: true` needs a command string."""
+    for field, message in shellsyntax.command_problems(job.get("command"), job.get("shell")):
+        problems.add(jpath + (field,), message)
+
+
+def _check_settings(problems: _Problems, block: Any, path: tuple[Any, ...], section: str) -> None:
+    for where, message, key in unitsettings.block_problems(block, section):
+        problems.add(path + where, message, key=key)
 
 
 def _check_representable(problems: _Problems, job: dict[str, Any], jpath: tuple[Any, ...]) -> None:
@@ -234,8 +250,14 @@ def _check_representable(problems: _Problems, job: dict[str, Any], jpath: tuple[
     if isinstance(job.get("command"), list):
         checks += [(jpath + ("command", i), arg, unitescape.Context.EXEC_ARG)
                    for i, arg in enumerate(job["command"]) if isinstance(arg, str)]
-    elif isinstance(job.get("command"), str):  # a string is split into words: each must fit ExecStart=
-        checks += [(jpath + ("command",), arg, unitescape.Context.EXEC_ARG) for arg in _words(job["command"])]
+    elif isinstance(job.get("command"), str) and job.get("shell") is True:
+        checks.append((jpath + ("command",), job["command"], unitescape.Context.EXEC_ARG))
+    elif isinstance(job.get("command"), str):
+        try:
+            words = shlex.split(job["command"])
+        except ValueError:
+            words = []  # reported when the command is split
+        checks += [(jpath + ("command",), word, unitescape.Context.EXEC_ARG) for word in words]
     if isinstance(job.get("environment"), dict):
         checks += [(jpath + ("environment", k), f"{k}={v}", unitescape.Context.ENV_ASSIGNMENT)
                    for k, v in job["environment"].items() if isinstance(v, (str, int))]
@@ -250,6 +272,7 @@ def _semantic_checks(problems: _Problems, data: dict[str, Any]) -> None:
     defaults = data.get("defaults") if isinstance(data.get("defaults"), dict) else {}
     lock_blocks = [(("defaults", "lock"), defaults.get("lock"))]
     timer_blocks = [(("defaults", "timer"), defaults.get("timer"))]
+    _check_settings(problems, defaults.get("service"), ("defaults", "service"), "service")
     if isinstance(data.get("consul"), dict) and isinstance(data["consul"].get("address"), str):
         try:
             parse_address(data["consul"]["address"])
@@ -268,8 +291,10 @@ def _semantic_checks(problems: _Problems, data: dict[str, Any]) -> None:
             problem = schedule_problem(spec) if isinstance(spec, str) else None
             if problem:
                 problems.add(jpath + ("schedule",) + ((i,) if isinstance(schedules, list) else ()), problem)
-        if isinstance(job.get("command"), str):
+        if isinstance(job.get("command"), str) and job.get("shell") is not True:
             _split_command(problems, jpath + ("command",), job["command"])
+        _check_shell(problems, job, jpath)
+        _check_settings(problems, job.get("service"), jpath + ("service",), "service")
         _check_representable(problems, job, jpath)
     for path, block in lock_blocks:
         if not isinstance(block, dict):
@@ -280,6 +305,7 @@ def _semantic_checks(problems: _Problems, data: dict[str, Any]) -> None:
                         "holder stops")
         _check_duration(problems, path + ("wait",), block.get("wait"))
     for path, block in timer_blocks:
+        _check_settings(problems, block, path, "timer")
         if isinstance(block, dict):
             for name in ("accuracy", "randomized_delay"):
                 _check_duration(problems, path + (name,), block.get(name))
@@ -306,6 +332,12 @@ def _timer(raw: dict[str, Any]) -> TimerSettings:
     )
 
 
+def _settings(raw: dict[str, Any]) -> tuple[tuple[str, str], ...]:
+    """Extra unit lines from a merged settings mapping: systemd names only, sorted, a list giving one line per item."""
+    return tuple((name, text) for name in sorted(k for k in raw if unitsettings.is_setting_name(k))
+                 for text in unitsettings.values(raw[name]))
+
+
 def _build(source: str, data: dict[str, Any], problems: _Problems) -> Manifest:
     defaults = data.get("defaults", {})
     jobs = []
@@ -314,7 +346,7 @@ def _build(source: str, data: dict[str, Any], problems: _Problems) -> Manifest:
         schedule = raw["schedule"]
         jobs.append(Job(
             name=name,
-            command=_split_command(problems, ("jobs", name, "command"), raw["command"]),
+            command=_split_command(problems, ("jobs", name, "command"), raw["command"], raw.get("shell", False)),
             schedules=tuple([schedule] if isinstance(schedule, str) else schedule),
             description=raw.get("description", f"consulrun job {name}"),
             user=raw.get("user"),
@@ -327,6 +359,9 @@ def _build(source: str, data: dict[str, Any], problems: _Problems) -> Manifest:
             timer=_timer({**defaults.get("timer", {}), **raw.get("timer", {})}),
             on_holder_loss=raw.get("on_holder_loss", defaults.get("on_holder_loss", "skip")),
             history=raw.get("history", defaults.get("history", 20)),
+            shell=raw.get("shell", False),
+            service_settings=_settings({**defaults.get("service", {}), **raw.get("service", {})}),
+            timer_settings=_settings({**defaults.get("timer", {}), **raw.get("timer", {})}),
         ))
     return Manifest(
         source=source,

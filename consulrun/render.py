@@ -14,7 +14,7 @@ from pathlib import Path
 
 import jinja2
 
-from consulrun import unitescape
+from consulrun import unitescape, unitsettings
 from consulrun.durations import format_duration
 from consulrun.errors import OutputError, UsageError
 from consulrun.fencing import stop_timeout_ms
@@ -45,6 +45,7 @@ def _environment(override: Path | None) -> jinja2.Environment:
     env.filters["exec_line"] = unitescape.exec_line
     env.filters["env_assignment"] = lambda v: unitescape.escape(v, unitescape.Context.ENV_ASSIGNMENT)
     env.filters["unit_value"] = lambda v: unitescape.escape(v, unitescape.Context.PLAIN)
+    env.filters["setting_value"] = lambda v, name: unitsettings.escape(name, v)
     env.filters["duration"] = format_duration
     return env
 

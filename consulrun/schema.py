@@ -24,8 +24,15 @@ def schedule_problem(spec: str) -> str | None:
     """
     from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
-    from consulrun import calendar
+    from consulrun import calendar, cronfields
 
+    if cronfields.looks_like_cron(spec):
+        try:
+            specs = cronfields.to_oncalendar(spec)
+        except cronfields.CronError as exc:
+            return f"{spec!r} looks like cron syntax, which schedule: does not take, and cannot be converted: {exc}"
+        said = repr(specs[0]) if len(specs) == 1 else "the list [" + ", ".join(repr(s) for s in specs) + "]"
+        return f"{spec!r} is cron syntax; schedule: takes systemd OnCalendar= specs, and in that syntax it is {said}"
     words = spec.split()
     if len(words) > 1 and re.fullmatch(r"[A-Za-z][A-Za-z0-9_+-]*(/[A-Za-z0-9_+-]+)+", words[-1]):
         try:

@@ -3,7 +3,9 @@
 systemd reads a unit-file value in up to three layers, and which apply depends
 on the setting (systemd.service(5), systemd.exec(5), systemd.unit(5)):
 
-* specifiers: `%` starts one in every setting we write, so `%` becomes `%%`;
+* specifiers: `%` starts one in every setting the templates write, so `%`
+  becomes `%%`; a few settings a job may add (`CPUQuota=50%`) resolve no
+  specifiers, and there `%` is written as it is;
 * variable expansion: only command lines expand `$VAR`, so `$` becomes `$$`
   there and stays as it is in `Environment=`;
 * word splitting with quotes and C escapes: command lines and `Environment=`.
@@ -27,6 +29,7 @@ class Context(enum.Enum):
     EXEC_ARG = "exec"  # one word of ExecStart=
     ENV_ASSIGNMENT = "env"  # one NAME=value word of Environment=
     PLAIN = "plain"  # the whole value of a setting without word splitting
+    NO_SPECIFIERS = "literal"  # like PLAIN, for a setting systemd reads without resolving `%` specifiers
 
 
 class UnrepresentableError(ValueError):
@@ -53,14 +56,14 @@ def escape(value: str, context: Context) -> str:
         value.encode("utf-8")
     except UnicodeEncodeError:
         raise UnrepresentableError("is not valid Unicode text") from None
-    if context is Context.PLAIN:
+    if context in (Context.PLAIN, Context.NO_SPECIFIERS):
         if _CONTROL.search(value):
             raise UnrepresentableError("contains a newline or another control character")
         if value != value.strip():
             raise UnrepresentableError("has leading or trailing whitespace")
         if value.endswith("\\"):
             raise UnrepresentableError("ends with a backslash, which systemd reads as a line continuation")
-        return value.replace("%", "%%")
+        return value if context is Context.NO_SPECIFIERS else value.replace("%", "%%")
     text = value if _SAFE_WORD.fullmatch(value) else _quote(value)
     text = text.replace("%", "%%")
     if context is Context.EXEC_ARG:

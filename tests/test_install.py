@@ -369,6 +369,28 @@ def test_hosts_file_and_parallel_fan_out(tmp_path: Path) -> None:
                                                "/etc/systemd/system", "--consulrun-path", "/opt/consulrun"]
 
 
+def test_per_job_unit_settings_and_shell_reach_the_running_job(node: Container) -> None:
+    """service: settings (from defaults and the job), a timer: setting and shell: true, on a real systemd."""
+    out = node.shared / "settings"
+    out.unlink(missing_ok=True)
+    job = {"command": "echo $(nice) $(umask) $(cat \"$CREDENTIALS_DIRECTORY/greeting\") | tee -a /shared/settings",
+           "shell": True, "schedule": "*:*:0/2",
+           "service": {"Nice": 7, "SetCredential": "greeting:hello world", "CPUQuota": "50%"},
+           "timer": {"WakeSystem": False}}
+    text = manifest({"tuned": job}, defaults={"lock": {"ttl": "10s", "lock_delay": "5s"}, "timer": {"accuracy": "1s"},
+                                              "service": {"UMask": "0027", "Nice": 3}})
+    result = install(node, text)
+    assert result.returncode == 0, result.stderr
+    try:
+        wait_for(lambda: out.exists() and out.read_text().strip() != "", 30, "the job to run once")
+        assert out.read_text().splitlines()[0] == "7 0027 hello world"
+        shown = node.systemctl("show", "-p", "CPUQuotaPerSecUSec", "consulrun-tuned.service").stdout.strip()
+        assert shown == "CPUQuotaPerSecUSec=500ms"
+        assert node.systemctl("show", "-p", "WakeSystem", "consulrun-tuned.timer").stdout.strip() == "WakeSystem=no"
+    finally:
+        assert install(node, manifest({"tick": tick_job("daily")})).returncode == 0
+
+
 # --- three nodes over ssh ------------------------------------------------------------------------------
 
 

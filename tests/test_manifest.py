@@ -139,8 +139,9 @@ def test_defaults_merge_key_by_key(tmp_path: Path) -> None:
 
 def test_string_command_is_split_like_a_shell(tmp_path: Path) -> None:
     manifest = tmp_path / "jobs.yaml"
-    manifest.write_text("jobs:\n  a:\n    command: /bin/echo 'two words' \"and $NOT_EXPANDED\"\n    schedule: daily\n")
-    assert load_manifest(manifest).jobs[0].command == ("/bin/echo", "two words", "and $NOT_EXPANDED")
+    manifest.write_text("jobs:\n  a:\n    command: /bin/echo 'two words' 'and $NOT_EXPANDED' a\\$b\n"
+                        "    schedule: daily\n")
+    assert load_manifest(manifest).jobs[0].command == ("/bin/echo", "two words", "and $NOT_EXPANDED", "a$b")
 
 
 SPECS = ["daily", "*-*-* 02:00:00", "Mon..Fri 09:00", "hourly", "weekly", "quarterly", "*:0/5",
@@ -292,11 +293,11 @@ BOUNDS = [
     ("lock", "ttl", "24h", "86400001ms", "Consul accepts a session TTL from 10s to 24h"),
     ("lock", "ttl", 10, 9, "Consul accepts a session TTL from 10s to 24h"),
     ("lock", "ttl", 86400, 86401, "Consul accepts a session TTL from 10s to 24h"),
-    ("lock", "lock_delay", 60, 61, "lock_delay must be 5s to 60s; less would let another node start before a "
+    ("lock", "lock_delay", 60, 61, "lock_delay must be 5s to 1m; less would let another node start before a "
                                    "partitioned holder stops"),
-    ("lock", "lock_delay", "5s", "4999ms", "lock_delay must be 5s to 60s; less would let another node start before a "
+    ("lock", "lock_delay", "5s", "4999ms", "lock_delay must be 5s to 1m; less would let another node start before a "
                                            "partitioned holder stops"),
-    ("lock", "lock_delay", "60s", "60001ms", "lock_delay must be 5s to 60s; less would let another node start before "
+    ("lock", "lock_delay", "60s", "60001ms", "lock_delay must be 5s to 1m; less would let another node start before "
                                              "a partitioned holder stops"),
     ("lock", "concurrency", 1, 0, "must be between 1 and 1000"),
     ("lock", "concurrency", 1000, 1001, "must be between 1 and 1000"),
@@ -333,9 +334,10 @@ def test_range_edges(block: str | None, key: str, edge: object, past: object, me
 def test_parse_duration() -> None:
     assert [parse_duration(t) for t in ("0", "500ms", "15s", "1m30s", "2h", "1d", "1h1m1s1ms")] == \
         [0, 500, 15_000, 90_000, 7_200_000, 86_400_000, 3_661_001]
+    assert parse_duration("5 minutes") == 300_000  # systemd's spelling too
     with pytest.raises(DurationError) as caught:
-        parse_duration("5 minutes")
-    assert str(caught.value) == "'5 minutes' is not a duration (use e.g. 500ms, 15s, 1m30s, 2h)"
+        parse_duration("5 mintues")
+    assert str(caught.value) == "'5 mintues' is not a duration (e.g. 500ms, 15s, 1m30s, 1h 30min)"
 
 
 @pytest.mark.parametrize("key", ["ttl", "lock_delay"])
@@ -345,7 +347,8 @@ def test_boolean_duration_is_one_type_error_not_a_range_error(key: str, tmp_path
     result = CliRunner().invoke(main, ["generate", str(manifest), "-o", "-", "--consulrun-path", "/x/consulrun"])
     assert result.exit_code == 2
     (line,) = result.stderr.splitlines()
-    assert f"jobs.a.lock.{key}: True must be a duration such as" in line, line
+    assert line.endswith(f"jobs.a.lock.{key}: expected a duration (e.g. 500ms, 15s, 1m30s, 1h 30min; a bare number "
+                         "means seconds), got a boolean"), line
 
 
 def test_a_malformed_job_does_not_hide_the_next_jobs_problems(tmp_path: Path) -> None:

@@ -1,0 +1,284 @@
+"""A crontab as a consulrun manifest: what `consulrun import-crontab` prints.
+
+Each entry becomes a job whose schedule fires exactly when cron would (see
+`cronfields`), and whose command runs as cron ran it: cron hands the line to
+`$SHELL -c` (`/bin/sh` unless the crontab sets SHELL), so a line with shell
+syntax becomes `shell: true`, and a plain one an argv. An unescaped `%` ends
+the command and the rest, with each further `%` a newline, is its standard
+input, as cron does. Environment lines apply to the entries after them, as in
+cron; MAILTO has no equivalent until jobs can alert on failure, and is kept
+as a comment. Lines that cannot be converted are reported with their number.
+"""
+
+from __future__ import annotations
+
+import posixpath
+import re
+import shlex
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from typing import Any
+from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
+
+import yaml
+
+from consulrun import cronfields, shellsyntax
+from consulrun.errors import UsageError
+
+_ENV = re.compile(r"\s*(?P<name>\"[^\"]*\"|'[^']*'|[^=\s]+)\s*=\s*(?P<value>.*?)\s*")
+_VARIABLE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_USER = re.compile(r"[A-Za-z_][A-Za-z0-9_.-]{0,31}\$?")
+_PLAIN_COMMAND = re.compile(r"[A-Za-z0-9_@%+=:,./ '\"-]+")
+_NAME_CHARS = re.compile(r"[^A-Za-z0-9_.-]+")
+DEFAULT_SHELL = "/bin/sh"
+_CRON_ONLY = {"SHELL", "MAILTO", "CRON_TZ", "MAILFROM", "CONTENT_TYPE", "CONTENT_TRANSFER_ENCODING", "RANDOM_DELAY"}
+
+
+class CrontabError(UsageError):
+    """Lines of a crontab that have no manifest equivalent; the manifest of the rest is still printed."""
+
+    def __init__(self, problems: list[str], manifest: str) -> None:
+        self.problems = problems
+        self.manifest = manifest
+        super().__init__("\n".join(problems))
+
+    def format_message(self) -> str:
+        return "\n".join(self.problems)
+
+    def show(self, file=None) -> None:  # noqa: ANN001 - click's signature
+        import click
+
+        for line in self.problems:
+            click.echo(f"Error: {line}", err=True, file=file)
+
+
+@dataclass
+class _Job:
+    line: int
+    text: str
+    data: dict[str, Any] = field(default_factory=dict)
+
+
+def split_percent(command: str) -> tuple[str, str | None]:
+    """(command, standard input or None), as cron reads an entry's `%` characters.
+
+    In the command, `\\%` is a literal `%` and the first other `%` ends it. In
+    the input, `\\%` is `%`, every other `%` a newline, other backslashes stay,
+    and a final newline is added when the input does not end with one.
+    """
+    out, escaped = [], False
+    for index, ch in enumerate(command):
+        if escaped:
+            if ch == "%":
+                out[-1] = "%"
+            else:
+                out.append(ch)
+            escaped = False
+        elif ch == "\\":
+            out.append(ch)
+            escaped = True
+        elif ch == "%":
+            return "".join(out), _stdin(command[index + 1:])
+        else:
+            out.append(ch)
+    return "".join(out), None
+
+
+def _stdin(data: str) -> str:
+    out, escaped = [], False
+    for ch in data:
+        if escaped:
+            if ch != "%":
+                out.append("\\")
+        elif ch == "%":
+            ch = "\n"
+        escaped = ch == "\\" and not escaped
+        if not escaped:
+            out.append(ch)
+    if escaped:
+        out.append("\\")
+    text = "".join(out)
+    return text + "\n" if text and not text.endswith("\n") else text
+
+
+def _command(text: str, shell: str) -> tuple[str | list[str], bool]:
+    """The job's command and whether it needs `shell: true`, for what cron would run as `SHELL -c text`."""
+    command, stdin = split_percent(text)
+    if stdin is not None:
+        command = f"printf '%s' {shlex.quote(stdin)} | {{\n{command}\n}}"
+    if shell != DEFAULT_SHELL:
+        return [shell, "-c", command], False
+    # An argv only where sh and consulrun provably split alike: plain characters, quotes without anything special
+    # inside; anything else runs with /bin/sh -c, as cron ran it.
+    if stdin is None and _PLAIN_COMMAND.fullmatch(command) and shellsyntax.first_syntax(command) is None:
+        try:
+            if shlex.split(command):
+                return command, False
+        except ValueError:
+            pass
+    return command, True
+
+
+def _job_name(command: str, taken: set[str]) -> str:
+    """A job name from the command's program (`/usr/bin/backup.sh --full` -> `backup.sh`), unique in the file."""
+    words = command.split()
+    words = [w for w in words if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*=\S*", w)] or ["job"]
+    base = _NAME_CHARS.sub("-", posixpath.basename(words[0].strip("'\""))).strip("-._")[:56] or "job"
+    if not base[0].isalnum():
+        base = "job-" + base
+    name, n = base, 2
+    while name in taken:
+        name, n = f"{base}-{n}", n + 1
+    taken.add(name)
+    return name
+
+
+def _never_fires(specs: list[str]) -> bool:
+    from consulrun import calendar
+
+    return calendar.following(specs, datetime(2000, 1, 1, tzinfo=timezone.utc)) is None
+
+
+def convert(text: str, source: str, system: bool = False) -> str:
+    """The manifest for crontab `text`; raise `CrontabError` (with that manifest) if any line is left out.
+
+    `system`: the /etc/crontab and /etc/cron.d format, with a user column
+    between the time fields and the command.
+    """
+    env: dict[str, str] = {}
+    shell, zone = DEFAULT_SHELL, None
+    notes: list[str] = []
+    problems: list[str] = []
+    jobs: list[_Job] = []
+    taken: set[str] = set()
+    for number, raw in enumerate(text.split("\n"), start=1):  # cron's lines end at a newline and nothing else
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        where = f"{source}:{number}"
+        env_match = _ENV.fullmatch(raw)
+        if env_match and not line.startswith("@") and not line[0].isdigit() and not line.startswith("*"):
+            name = env_match.group("name").strip("'\"")
+            value = env_match.group("value")
+            if len(value) >= 2 and value[0] == value[-1] and value[0] in "'\"":
+                value = value[1:-1]
+            if name == "SHELL":
+                shell = value
+            elif name == "CRON_TZ":
+                try:
+                    ZoneInfo(value)
+                    zone = value
+                except (ZoneInfoNotFoundError, ValueError):
+                    problems.append(f"{where}: CRON_TZ={value!r} is not a time zone; entries after it cannot be "
+                                    "converted")
+                    zone = "invalid"
+            elif name == "MAILTO":
+                notes.append(f"line {number}: {_printable(line)} -- not converted: a job's output goes to the "
+                             "journal, and consulrun has no on_failure alerting yet")
+            elif name in _CRON_ONLY:
+                notes.append(f"line {number}: {_printable(line)} -- cron's own setting, not converted")
+            elif not _VARIABLE.fullmatch(name):
+                problems.append(f"{where}: {name!r} is not an environment variable name a unit can set")
+            else:
+                env[name] = value
+            continue
+        try:
+            job = _entry(raw, number, system, env, shell, zone, taken)
+        except cronfields.CronError as exc:
+            problems.append(f"{where}: cannot convert {line!r}: {exc}")
+            continue
+        problem = _job_problem(job)
+        if problem:
+            problems.append(f"{where}: cannot convert {line!r}: {problem}")
+            continue
+        jobs.append(job)
+    manifest = _render(jobs, notes, problems, source)
+    _self_check(manifest, source)
+    if problems:
+        raise CrontabError(problems, manifest)
+    return manifest
+
+
+def _entry(raw: str, number: int, system: bool, env: dict[str, str], shell: str, zone: str | None,
+           taken: set[str]) -> _Job:
+    line = raw.strip()
+    count = (1 if line.startswith("@") else 5) + (1 if system else 0)
+    parts = line.split(None, count)
+    if len(parts) <= count:
+        wanted = ("a macro" if line.startswith("@") else "5 time fields") + (", a user" if system else "")
+        raise cronfields.CronError(f"expected {wanted} and a command, got only {len(parts)} word(s)")
+    fields = " ".join(parts[:1] if line.startswith("@") else parts[:5])
+    if zone == "invalid":
+        raise cronfields.CronError("CRON_TZ before it is not a time zone")
+    specs = cronfields.to_oncalendar(fields, zone)
+    if _never_fires(specs):
+        raise cronfields.CronError(f"{fields!r} never fires (no such date)")
+    user = parts[count - 1] if system else None
+    if user is not None and not _USER.fullmatch(user):
+        raise cronfields.CronError(f"{user!r} is not a user name (is this a user crontab? leave out --system)")
+    command, needs_shell = _command(parts[count].rstrip(), shell)
+    data: dict[str, Any] = {"command": command}
+    if needs_shell:
+        data["shell"] = True
+    data["schedule"] = specs[0] if len(specs) == 1 else specs
+    if user:
+        data["user"] = user
+    if env:
+        data["environment"] = dict(env)
+    return _Job(number, line, {_job_name(split_percent(parts[count])[0], taken): data})
+
+
+def _render(jobs: list[_Job], notes: list[str], problems: list[str], source: str) -> str:
+    """The manifest text, each job under a comment quoting its crontab line; '' when no job converted."""
+    if not jobs:
+        return ""
+    out = [f"# Converted by `consulrun import-crontab` from {source}. Each job fires exactly when cron would;",
+           "# consulrun runs each occurrence on one node only."]
+    out += [f"# not converted: {_printable(p)}" for p in problems] + [f"# {n}" for n in notes]
+    out.append("jobs:")
+    for job in jobs:
+        out.append(f"  # line {job.line}: {_printable(job.text)}")
+        body = yaml.dump(job.data, Dumper=_Dumper, sort_keys=False, allow_unicode=True, width=100,
+                         default_flow_style=False)
+        out += ["  " + row if row else row for row in body.rstrip("\n").split("\n")]
+    return "\n".join(out) + "\n"
+
+
+class _Dumper(yaml.SafeDumper):
+    """Multi-line strings (a command with its standard input) as literal blocks, the way they would be typed."""
+
+
+def _str(dumper: yaml.SafeDumper, data: str) -> yaml.ScalarNode:
+    return dumper.represent_scalar("tag:yaml.org,2002:str", data, style="|" if "\n" in data else None)
+
+
+_Dumper.add_representer(str, _str)
+
+
+def _printable(text: str) -> str:
+    """Text for a YAML comment: control characters would end it or make the stream invalid."""
+    return re.sub(r"[\x00-\x1f\x7f-\x9f]", "?", text)
+
+
+def _job_problem(job: _Job) -> str | None:
+    """Why the job would not load as a manifest (a value a unit file cannot hold), or None."""
+    from consulrun.errors import ManifestError
+    from consulrun.manifest import parse_manifest
+
+    try:
+        parse_manifest(yaml.safe_dump({"jobs": job.data}), "-")
+    except ManifestError as exc:
+        return exc.problems[0].split(": ", 2)[-1]
+    return None
+
+
+def _self_check(manifest: str, source: str) -> None:
+    """What import-crontab prints must load as a manifest; a value that cannot (a NUL) is a one-line error."""
+    from consulrun.errors import ManifestError
+    from consulrun.manifest import parse_manifest
+
+    if manifest:
+        try:
+            parse_manifest(manifest, "<converted>")
+        except ManifestError as exc:
+            raise UsageError(f"{source}: the converted manifest would not load: {exc.problems[0]}") from None
