@@ -34,7 +34,7 @@ from consulrun.lock import Fencing, Held, Interrupted, Locker, LockSpec, Watcher
 log = logging.getLogger("consulrun")
 
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
-START_RETRY_S = 30.0  # how long a transient "no leader" / 5xx at start is retried before exit 69
+START_RETRY_S = 60.0  # how long a transient "no leader" / 5xx at start is retried before exit 69
 
 
 @dataclass(frozen=True)

@@ -416,7 +416,7 @@ def test_watch_redraws_on_change_and_ends_quietly_on_ctrl_c(consul: Agent) -> No
         assert "-- refreshed " in out.read() and watcher.poll() is None  # still watching
     finally:
         watcher.send_signal(signal.SIGINT)
-        code, _, err = finish(watcher, timeout=10)
+        code, _, err = finish(watcher, timeout=30)
     assert code == 130 and "Aborted" not in err and "Traceback" not in err
 
 
@@ -438,7 +438,7 @@ def test_watch_survives_an_agent_restart(consul_bin: str, tmp_path: Path) -> Non
         assert any(line["verdict"] == "consul_unavailable" for line in lines)
     finally:
         watcher.send_signal(signal.SIGINT)
-        finish(watcher, timeout=10)
+        finish(watcher, timeout=30)
         agent.stop()
 
 
