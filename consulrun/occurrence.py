@@ -210,8 +210,8 @@ def _same_zone(record: dict[str, Any], occ: Occurrence) -> None:
     except ValueError:
         return
     if ours != theirs:
-        raise UsageError(f"this node's system zone ({calendar.local_zone_name()}) is not the one "
-                         f"{record.get('node')} evaluated the schedule in ({record.get('zone')}): nodes would "
+        raise UsageError(f"this node's system zone ({calendar.local_zone_name()}, UTC offsets {ours}) is not the one "
+                         f"{record.get('node')} evaluated the schedule in ({record.get('zone')}, {theirs}): nodes would "
                          "disagree on the occurrence; give every node the same zone, or name a zone in the "
                          "schedule (e.g. '*-*-* 02:00:00 Europe/Berlin')")
 

@@ -23,7 +23,7 @@ import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from types import FrameType
-from typing import Any
+from typing import Any, Callable
 
 from consulrun import occurrence, testhook
 from consulrun.child import Job, become_subreaper
@@ -34,7 +34,7 @@ from consulrun.lock import Fencing, Held, Interrupted, Locker, LockSpec, Watcher
 log = logging.getLogger("consulrun")
 
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
-START_RETRY_S = 60.0  # how long a transient "no leader" / 5xx at start is retried before exit 69
+START_RETRY_S = 120.0  # how long a transient "no leader" / 5xx at start is retried before exit 69
 
 
 @dataclass(frozen=True)
@@ -294,7 +294,8 @@ def _run_held(request: RunRequest, locker: Locker, held: Held, fencing: Fencing,
         if _job_gone(job, spec.job):
             testhook.pause("releasing")
             # Stopping (systemctl stop) leaves TimeoutStopSec=: after a termination signal, retry only briefly.
-            _close(locker, held, ledger, claim, outcome, budget_s=fencing.grace_s if signals.received else None)
+            _close(locker, held, ledger, claim, outcome, stopping=lambda: bool(signals.received),
+                   stop_budget_s=fencing.grace_s)
         else:
             locker.session = None  # never destroy it: the lock must outlive the job's processes
 
@@ -340,7 +341,7 @@ FINISH_RETRY_S = 30.0
 
 
 def _close(locker: Locker, held: Held, ledger: occurrence.Ledger | None, claim: dict[str, Any] | None,
-           outcome: dict[str, Any], budget_s: float | None = None) -> None:
+           outcome: dict[str, Any], stopping: Callable[[], bool] = lambda: False, stop_budget_s: float = 0.0) -> None:
     """Record the outcome and release, retrying transient failures for a bounded time; destroy the session.
 
     A completed run that could not be recorded would be re-run by a `retry`
@@ -352,9 +353,12 @@ def _close(locker: Locker, held: Held, ledger: occurrence.Ledger | None, claim: 
     own status stands.
     """
     job = locker.spec.job
-    give_up = clock() + (FINISH_RETRY_S if budget_s is None else budget_s)
+    give_up = clock() + FINISH_RETRY_S
+    shortened = False
     backoff = 0.25
     while True:
+        if stopping() and not shortened:  # being stopped: what is left of the stop timeout is all there is
+            give_up, shortened = min(give_up, clock() + stop_budget_s), True
         try:
             locker.keep_alive()
             if _record_and_release(locker, held, ledger, claim, outcome):

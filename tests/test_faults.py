@@ -511,7 +511,7 @@ def test_no_leader_at_start_is_retried_then_runs(cluster, tmp_path: Path) -> Non
     wait_for(lambda: "retrying for up to" in log.read_text(), 30, "the run to say it retries")
     assert proc.poll() is None
     cluster.server.restart()
-    assert proc.wait(timeout=60) == 0, log.read_text()
+    assert proc.wait(timeout=150) == 0, log.read_text()
     assert ran.exists()
     assert "No cluster leader" in log.read_text() or "rpc error" in log.read_text()
 
