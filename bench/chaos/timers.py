@@ -158,15 +158,17 @@ class Fleet:
         return ["ip", "netns", "exec", str(agent.netns), sys.executable, "-m", "consulrun", "run",
                 "--prefix", self.lock.prefix, "--schedule", job.schedule, "--on-holder-loss", job.policy,
                 "--ttl", f"{self.lock.ttl_s}s", "--lock-delay", f"{self.lock.lock_delay_s}s", job.name, "--",
-                "/usr/bin/env", "-u", "LD_PRELOAD", "-u", "FAKETIME", "-u", "DONT_FAKE_MONOTONIC",
+                "/usr/bin/env", "-u", "LD_PRELOAD", "-u", "FAKETIME",
                 sys.executable, "-S", str(JOB_SCRIPT), str(self.history.path), job.name, agent.name, str(job.seconds)]
 
     def _environment(self, skew: float) -> dict[str, str]:
         env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "CONSUL_HTTP_ADDR": "127.0.0.1:8500",
                "PYTHONDONTWRITEBYTECODE": "1"}
         if skew:
-            # Only the wrapper's wall clock is skewed; its monotonic clock and the job's clock are not.
-            env.update({"LD_PRELOAD": FAKETIME_LIB, "FAKETIME": f"{skew:+.3f}", "DONT_FAKE_MONOTONIC": "1"})
+            # Only the wrapper's clocks are offset, never the job's (the oracle's). The monotonic clock moves by
+            # the same constant, which changes no interval; DONT_FAKE_MONOTONIC=1 would keep it, but with
+            # libfaketime 0.9.10 it makes every nanosleep fail with EINVAL (time.sleep raises OSError).
+            env.update({"LD_PRELOAD": FAKETIME_LIB, "FAKETIME": f"{skew:+.3f}"})
         return env
 
     def _fire(self, agent: Agent, job: JobSpec, sched: str, delay: float) -> None:
