@@ -122,7 +122,7 @@ def test_short_chaos_run_keeps_the_guarantees(consul_bin: str, tmp_path: Path, r
     out = tmp_path / "chaos"
     cmd = [sys.executable, "-m", "bench.chaos", "--duration", "120s", "--out", str(out), "--seed",
            os.environ.get("CONSULRUN_CHAOS_SEED", "11"),
-           "--job", "skip5:skip:1:*:*:0/5", "--job", "retry30:retry:1:*:*:0/30"]
+           "--job", "skip10:skip:4:*:*:0/10", "--job", "retry30:retry:1:*:*:0/30"]
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         _, stderr = proc.communicate(timeout=600)  # the run stops by itself: ~2 min of timers, then a drain
@@ -135,8 +135,8 @@ def test_short_chaos_run_keeps_the_guarantees(consul_bin: str, tmp_path: Path, r
         assert report is not None, f"the run made no report (exit {proc.returncode}):\n{stderr[-3000:]}"
         assert not _our_namespaces(f"x{proc.pid % 100000}"), "the run left network namespaces behind"
         assert json.loads((out / "run.json").read_text())["drained"], "wrappers were still running after the drain"
-        assert sum(report["faults"].values()) >= 5, f"too few faults injected: {report['faults']}"
-        assert report["jobs"]["skip5"]["completed"] > 0 and report["jobs"]["retry30"]["completed"] > 0
+        assert sum(report["faults"].values()) >= 3, f"too few faults injected: {report['faults']}"
+        assert report["jobs"]["skip10"]["completed"] > 0 and report["jobs"]["retry30"]["completed"] > 0
         assert report["jobs"]["retry30"]["retry_condition_holds"] is True
         assert proc.returncode == 0 and not report["violations"], \
             f"violations (history in {artifact_dir(request.node)}):\n{(out / 'report.md').read_text()[-6000:]}"

@@ -9,7 +9,9 @@ Faults (kind: what it does, what heals it):
   pause             SIGSTOP a wrapper and its job, then SIGCONT: half the time for lock-delay + 1-3 s, half the
                     time for 2 x TTL + 1 s to 2 x TTL + lock-delay + 3 s, so its session can expire meanwhile
   skew              the wall clock of one node's wrappers (and its timers) off by 0.5-3 s either way for 8-15 s
-Client-node faults prefer a node whose job runs now, so faults bite. The log
+Client-node faults hit, 3 times in 4, the node of a job that has just started
+(a job chosen at random, the fault waiting up to one interval for its next
+start), so faults bite holders rather than idle nodes. The log
 (`nemesis.log`) has a `fault` line when a fault starts and a `heal` line when
 it ends, with the same id, timed by the host clock like the history. After a
 heal the nemesis waits until every client agent reads KV through the servers
@@ -28,7 +30,7 @@ import time
 import requests
 
 from bench.chaos.logs import AppendLog
-from bench.chaos.timers import Fleet, descendants, signal_all
+from bench.chaos.timers import Fleet, Wrapper, descendants, signal_all
 from tests.harness.bigcluster import BigCluster
 
 KINDS = {"agent-kill": 2, "partition-client": 2, "partition-server": 1, "leader-kill": 1, "wrapper-kill": 2,
@@ -69,10 +71,17 @@ class Nemesis(threading.Thread):
     def _sleep(self, seconds: float) -> None:
         self.stop_event.wait(max(0.0, min(seconds, self.stop_at + 30 - time.time())))
 
+    def _holder(self) -> Wrapper | None:
+        """A wrapper whose job just started, of a job chosen at random, so the fault hits a fresh holder."""
+        job = self.rng.choice(self.fleet.jobs)
+        return self.fleet.fresh_holder(job.name, job.interval_s() + self.fleet.lock.max_delay_s + 1,
+                                       self.stop_event)
+
     def _client_target(self) -> str:
-        holders = self.fleet.holders()
-        if holders and self.rng.random() < 0.75:
-            return self.rng.choice(holders).node
+        if self.rng.random() < 0.75:
+            holder = self._holder()
+            if holder is not None:
+                return holder.node
         return self.rng.choice(self.cluster.clients).name
 
     def _start(self, kind: str, heal: "callable", **fields: object) -> None:  # type: ignore[valid-type]
@@ -134,14 +143,9 @@ class Nemesis(threading.Thread):
             self._start(kind, lambda: cluster.restart(agent), node=agent.name)
             self._sleep(self.rng.uniform(2, 5))
         elif kind in ("wrapper-kill", "pause"):
-            deadline = time.time() + 6
-            holders = self.fleet.holders()
-            while not holders and time.time() < deadline and not self.stop_event.is_set():
-                self.stop_event.wait(0.1)
-                holders = self.fleet.holders()
-            if not holders:
+            target = self._holder()
+            if target is None:
                 return
-            target = self.rng.choice(holders)
             wrapper = target.process.pid
             tree = [*reversed(descendants(wrapper)), wrapper]
             if kind == "wrapper-kill":

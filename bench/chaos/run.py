@@ -27,7 +27,7 @@ from tests.harness.agents import consul_binary, wait_for
 from tests.harness.bigcluster import BigCluster, start_big_cluster
 from tests.harness.netns import Network
 
-DEFAULT_JOBS = ("skip5:skip:1:*:*:0/5", "retry30:retry:1:*:*:0/30", "retry5:retry:1:*:*:0/5")
+DEFAULT_JOBS = ("skip10:skip:4:*:*:0/10", "retry30:retry:1:*:*:0/30", "retry5:retry:1:*:*:0/5")
 SUBNET = "10.213.79.0/24"  # moved by CONSULRUN_TEST_NET_PREFIX like the test harness's subnets
 
 

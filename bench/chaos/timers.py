@@ -121,11 +121,23 @@ class Fleet:
     def set_skew(self, node: str, seconds: float) -> None:
         self.skews[node] = seconds
 
-    def holders(self) -> list[Wrapper]:
+    def holders(self, job: str | None = None) -> list[Wrapper]:
         """Wrappers whose job is running now (they have a child)."""
         with self.guard:
-            live = [w for w in self.running.values() if w.process.poll() is None]
+            live = [w for w in self.running.values() if w.process.poll() is None and job in (None, w.job)]
         return [w for w in live if descendants(w.process.pid)]
+
+    def fresh_holder(self, job: str, timeout: float, stop: threading.Event) -> Wrapper | None:
+        """The first wrapper of `job` whose job starts within `timeout` (seen within 0.1 s of its start)."""
+        before = {w.process.pid for w in self.holders(job)}
+        deadline = time.time() + timeout
+        while time.time() < deadline and not stop.is_set():
+            fresh = [w for w in self.holders(job) if w.process.pid not in before]
+            if fresh:
+                return fresh[0]
+            before |= {w.process.pid for w in self.holders(job)}
+            stop.wait(0.1)
+        return None
 
     # --- timers
 
