@@ -26,6 +26,7 @@ import random
 import signal
 import threading
 import time
+from typing import Callable
 
 import requests
 
@@ -35,7 +36,6 @@ from tests.harness.bigcluster import BigCluster
 
 KINDS = {"agent-kill": 2, "partition-client": 2, "partition-server": 1, "leader-kill": 1, "wrapper-kill": 2,
          "pause": 2, "skew": 1}
-CLIENT_FAULTS = {"agent-kill", "partition-client", "wrapper-kill", "pause", "skew"}
 
 
 class Nemesis(threading.Thread):
@@ -51,7 +51,7 @@ class Nemesis(threading.Thread):
         self.stop_event = threading.Event()
         self.counter = 0
         self.error: BaseException | None = None
-        self._heal: tuple[int, str, callable] | None = None  # type: ignore[valid-type]
+        self._heal: tuple[int, str, Callable[[], object]] | None = None
 
     def stop(self) -> None:
         self.stop_event.set()
@@ -84,7 +84,7 @@ class Nemesis(threading.Thread):
                 return holder.node
         return self.rng.choice(self.cluster.clients).name
 
-    def _start(self, kind: str, heal: "callable", **fields: object) -> None:  # type: ignore[valid-type]
+    def _start(self, kind: str, heal: Callable[[], object], **fields: object) -> None:
         self.counter += 1
         self._heal = (self.counter, kind, heal)
         self.log.emit("fault", id=self.counter, kind=kind, **fields)
