@@ -30,6 +30,7 @@ CLIENT_FAULTS = {"agent-kill", "partition-client", "wrapper-kill", "pause", "ske
 FENCING_FAULTS = ("agent-kill", "partition-client", "wrapper-kill", "partition-server", "leader-kill")
 RECOVERY_S = 1.0  # slack after a node's recovery (its agent reads through the servers again)
 HEARTBEAT_S = 0.15  # heartbeat period and some slack
+HOLDER_SEEN_S = 1.0  # a fault may hit a holder between its acquisition and its job's first line
 
 
 @dataclass
@@ -228,8 +229,10 @@ def check(out: Path) -> dict[str, Any]:
             if fault.kind not in FENCING_FAULTS:
                 continue
             for run in runs:
-                # The job may have died before its next heartbeat was due: the last one is up to 0.1 s old.
-                if run.ended or not run.start <= fault.start <= run.last + HEARTBEAT_S or run.pid in fenced_runs:
+                # The job may have died before its next heartbeat was due: the last one is up to 0.1 s old. The
+                # nemesis sees a holder when its job is forked, a little before the job's start line.
+                if (run.ended or not run.start - HOLDER_SEEN_S <= fault.start <= run.last + HEARTBEAT_S
+                        or run.pid in fenced_runs):
                     continue
                 if fault.kind in ("agent-kill", "partition-client") and run.node != fault.node:
                     continue
