@@ -321,7 +321,9 @@ def markdown(report: dict[str, Any]) -> str:
     out += ["", "| job | latency (s) | n | p50 | p90 | p99 | max |", "|---|---|---|---|---|---|---|"]
     for job, e in report["jobs"].items():
         rows = [(f"fencing: {k}", v) for k, v in e["fencing_latency_s"].items()]
-        rows += [("pause tail (SIGCONT to the paused job's last line)", e["fenced_after_pause_s"]), ("takeover", e["takeover_latency_s"])]
+        rows.append(("pause tail (SIGCONT to the paused job's last line)", e["fenced_after_pause_s"]))
+        if e["policy"] == "retry":
+            rows.append(("takeover", e["takeover_latency_s"]))
         for name, p in rows:
             out.append(f"| {job} | {name} | {p['n']} | {p['p50']} | {p['p90']} | {p['p99']} | {p['max']} |")
     out += ["", f"Goals: fencing p100 < lock-delay: {report['goals']['fencing_p100_below_lock_delay']}; takeover p99 <= "
