@@ -1,0 +1,45 @@
+"""The chaos run's job: says when it starts, that it is alive every 100 ms, and when it ends.
+
+Every line goes to one append-only log on the host shared by all nodes, as a
+single write() on an O_APPEND descriptor, timed by the host's clock: the log
+is the run's global oracle. The wrapper may run under libfaketime; the runner
+starts this script through `env -u LD_PRELOAD ...`, so its clock is never the
+skewed one. Standard library only, started with `python -S` to start fast.
+
+Usage: job.py LOG JOB NODE SECONDS
+"""
+
+import json
+import os
+import sys
+import time
+
+
+def main() -> None:
+    log, job, node, seconds = sys.argv[1], sys.argv[2], sys.argv[3], float(sys.argv[4])
+    fd = os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    token = int(os.environ.get("CONSULRUN_FENCING_TOKEN", "0"))
+    pid = os.getpid()
+
+    def emit(event: str, **fields: object) -> None:
+        line = json.dumps({"t": round(time.time(), 4), "ev": event, "job": job, "pid": pid, "token": token, **fields})
+        os.write(fd, (line + "\n").encode())
+
+    emit("start", node=node, wrapper=os.getppid(), occ=os.environ.get("CONSULRUN_OCCURRENCE"),
+         session=os.environ.get("CONSULRUN_SESSION"))
+    began = time.monotonic()
+    beat = 1
+    while True:
+        due = began + beat * 0.1
+        if due > began + seconds:
+            break
+        delay = due - time.monotonic()
+        if delay > 0:
+            time.sleep(delay)
+        emit("hb")
+        beat += 1
+    emit("end")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,248 @@
+"""Emulated systemd timers: on every client node, for every job, `consulrun run --schedule` per occurrence.
+
+Each (node, job) timer fires at every scheduled time of the job's spec plus a
+random delay (RandomizedDelaySec=), read on the node's own clock (which the
+nemesis may skew), and starts the wrapper inside the node's network namespace
+against the node's agent. As systemd does for a oneshot service still
+running, a timer that fires while its previous wrapper lives starts nothing.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+
+from consulrun import calendar
+
+from bench.chaos.logs import AppendLog
+from tests.harness.agents import Agent
+
+JOB_SCRIPT = Path(__file__).resolve().with_name("job.py")
+FAKETIME_LIB = "/usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1"
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    name: str
+    policy: str  # skip | retry
+    schedule: str  # OnCalendar= spec
+    seconds: float  # how long the job runs
+
+    def interval_s(self) -> float:
+        first = calendar.following([self.schedule], datetime(2030, 1, 1, tzinfo=timezone.utc))
+        second = calendar.following([self.schedule], first)
+        return (second - first).total_seconds()
+
+
+@dataclass(frozen=True)
+class LockSettings:
+    ttl_s: int = 10
+    lock_delay_s: int = 5
+    prefix: str = "chaos"
+    max_delay_s: float = 2.0  # RandomizedDelaySec=
+
+
+@dataclass
+class Wrapper:
+    node: str
+    job: str
+    sched: str
+    process: subprocess.Popen[bytes]
+    started: float
+    stderr: Path
+
+
+def descendants(pid: int) -> list[int]:
+    """Every live descendant of `pid` (children of all its threads, recursively)."""
+    found: list[int] = []
+    todo = [pid]
+    while todo:
+        current = todo.pop()
+        try:
+            tids = os.listdir(f"/proc/{current}/task")
+        except OSError:
+            continue
+        for tid in tids:
+            try:
+                with open(f"/proc/{current}/task/{tid}/children", encoding="ascii") as handle:
+                    children = [int(c) for c in handle.read().split()]
+            except OSError:
+                continue
+            found += children
+            todo += children
+    return found
+
+
+def signal_all(pids: list[int], signum: int) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, signum)
+        except ProcessLookupError:
+            pass
+
+
+def status_of(returncode: int) -> int:
+    return 128 - returncode if returncode < 0 else returncode
+
+
+class Fleet:
+    """Every wrapper the timers started: which run now, on which node, and their end."""
+
+    def __init__(self, clients: list[Agent], jobs: list[JobSpec], lock: LockSettings, history: AppendLog,
+                 out: Path, seed: int) -> None:
+        self.clients = clients
+        self.jobs = jobs
+        self.lock = lock
+        self.history = history
+        self.stderr_dir = out / "wrappers"
+        self.stderr_dir.mkdir(parents=True, exist_ok=True)
+        self.rng = random.Random(seed)
+        self.skews: dict[str, float] = {}
+        self.running: dict[tuple[str, str], Wrapper] = {}
+        self.every: list[subprocess.Popen[bytes]] = []
+        self.guard = threading.Lock()
+        self.stop_event = threading.Event()
+        self.fire_until = 0.0
+        self.threads: list[threading.Thread] = []
+
+    # --- what the nemesis reads and sets
+
+    def skew(self, node: str) -> float:
+        return self.skews.get(node, 0.0)
+
+    def set_skew(self, node: str, seconds: float) -> None:
+        self.skews[node] = seconds
+
+    def holders(self, job: str | None = None) -> list[Wrapper]:
+        """Wrappers whose job is running now (they have a child)."""
+        with self.guard:
+            live = [w for w in self.running.values() if w.process.poll() is None and job in (None, w.job)]
+        return [w for w in live if descendants(w.process.pid)]
+
+    def fresh_holder(self, job: str, timeout: float, stop: threading.Event) -> Wrapper | None:
+        """The first wrapper of `job` whose job starts within `timeout` (seen within 0.1 s of its start)."""
+        before = {w.process.pid for w in self.holders(job)}
+        deadline = time.time() + timeout
+        while time.time() < deadline and not stop.is_set():
+            fresh = [w for w in self.holders(job) if w.process.pid not in before]
+            if fresh:
+                return fresh[0]
+            before |= {w.process.pid for w in self.holders(job)}
+            stop.wait(0.1)
+        return None
+
+    # --- timers
+
+    def start(self, fire_until: float) -> None:
+        self.fire_until = fire_until
+        for agent in self.clients:
+            for job in self.jobs:
+                self.threads.append(threading.Thread(target=self._timer, args=(agent, job, self.rng.random()),
+                                                     name=f"timer-{agent.name}-{job.name}", daemon=True))
+        self.threads.append(threading.Thread(target=self._reaper, name="reaper", daemon=True))
+        for thread in self.threads:
+            thread.start()
+
+    def _timer(self, agent: Agent, job: JobSpec, seed: float) -> None:
+        rng = random.Random(seed)
+        when = calendar.following([job.schedule], datetime.fromtimestamp(time.time() + 1, timezone.utc))
+        while when is not None and when.timestamp() <= self.fire_until and not self.stop_event.is_set():
+            delay = rng.uniform(0, self.lock.max_delay_s)
+            while not self.stop_event.is_set():
+                remaining = when.timestamp() + delay - (time.time() + self.skew(agent.name))
+                if remaining <= 0:
+                    break
+                self.stop_event.wait(min(remaining, 0.05))
+            if self.stop_event.is_set():
+                return
+            self._fire(agent, job, calendar.occurrence_id(when), delay)
+            when = calendar.following([job.schedule], when)
+
+    def _command(self, agent: Agent, job: JobSpec) -> list[str]:
+        return ["ip", "netns", "exec", str(agent.netns), sys.executable, "-m", "consulrun", "run",
+                "--prefix", self.lock.prefix, "--schedule", job.schedule, "--on-holder-loss", job.policy,
+                "--ttl", f"{self.lock.ttl_s}s", "--lock-delay", f"{self.lock.lock_delay_s}s", job.name, "--",
+                "/usr/bin/env", "-u", "LD_PRELOAD", "-u", "FAKETIME",
+                sys.executable, "-S", str(JOB_SCRIPT), str(self.history.path), job.name, agent.name, str(job.seconds)]
+
+    def _environment(self, skew: float) -> dict[str, str]:
+        env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "CONSUL_HTTP_ADDR": "127.0.0.1:8500",
+               "PYTHONDONTWRITEBYTECODE": "1"}
+        if skew:
+            # Only the wrapper's clocks are offset, never the job's (the oracle's). The monotonic clock moves by
+            # the same constant, which changes no interval; DONT_FAKE_MONOTONIC=1 would keep it, but with
+            # libfaketime 0.9.10 it makes every nanosleep fail with EINVAL (time.sleep raises OSError).
+            env.update({"LD_PRELOAD": FAKETIME_LIB, "FAKETIME": f"{skew:+.3f}"})
+        return env
+
+    def _fire(self, agent: Agent, job: JobSpec, sched: str, delay: float) -> None:
+        key = (agent.name, job.name)
+        with self.guard:
+            previous = self.running.get(key)
+            if previous and previous.process.poll() is None:
+                self.history.emit("busy", node=agent.name, job=job.name, sched=sched, wrapper=previous.process.pid)
+                return
+            skew = self.skew(agent.name)
+            stderr = self.stderr_dir / f"{job.name}-{agent.name}-{sched.replace(':', '')}.log"
+            with stderr.open("ab") as err:
+                process = subprocess.Popen(self._command(agent, job), env=self._environment(skew),
+                                           stdin=subprocess.DEVNULL, stdout=err, stderr=err, start_new_session=True)
+            self.every.append(process)
+            self.running[key] = Wrapper(agent.name, job.name, sched, process, time.time(), stderr)
+            self.history.emit("fire", node=agent.name, job=job.name, sched=sched, delay=round(delay, 3),
+                              skew=round(skew, 3), wrapper=process.pid)
+
+    def _reaper(self) -> None:
+        while not self.stop_event.is_set():
+            self.reap()
+            self.stop_event.wait(0.05)
+
+    def reap(self) -> None:
+        with self.guard:
+            done = [(k, w) for k, w in self.running.items() if w.process.poll() is not None]
+            for key, _ in done:
+                del self.running[key]
+        for _, wrapper in done:
+            try:
+                lines = [ln for ln in wrapper.stderr.read_text(errors="replace").splitlines() if ln.strip()]
+            except OSError:
+                lines = []
+            self.history.emit("exit", node=wrapper.node, job=wrapper.job, sched=wrapper.sched,
+                              wrapper=wrapper.process.pid, status=status_of(wrapper.process.returncode),
+                              ran=round(time.time() - wrapper.started, 3), last=(lines[-1][:300] if lines else ""))
+
+    def drain(self, timeout: float) -> bool:
+        """Wait for every wrapper to end by itself; True if they all did within `timeout`."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            self.reap()
+            with self.guard:
+                if not self.running:
+                    return True
+            time.sleep(0.1)
+        return False
+
+    def kill_all(self) -> None:
+        """SIGKILL every wrapper and job still alive (woken first if stopped), and stop the timers."""
+        self.stop_event.set()
+        for process in self.every:
+            if process.poll() is None:
+                pids = [process.pid, *descendants(process.pid)]
+                signal_all(pids, signal.SIGKILL)
+                signal_all(pids, signal.SIGCONT)
+        for process in self.every:
+            try:
+                process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                pass
+        for thread in self.threads:
+            thread.join(timeout=5)
+        self.reap()

@@ -1,0 +1,148 @@
+"""The chaos suite: its checker judges histories correctly, and a short run under faults keeps the guarantees.
+
+The short run uses the schedules where README's condition for `retry` holds
+(bench.chaos.run.condition_holds); docs/chaos.md has a long run and a denser
+schedule. On failure the run's history, nemesis log, wrapper and agent logs
+and report are kept in test-artifacts/.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bench.chaos.checker import check
+from tests.conftest import artifact_dir, require_tool
+
+REPO = Path(__file__).resolve().parents[1]
+OCC = ["2030-01-01T00:00:00Z", "2030-01-01T00:00:05Z", "2030-01-01T00:00:10Z"]
+T0 = 1893456000.0  # 2030-01-01T00:00:00Z
+
+
+def _write(out: Path, history: list[dict], nemesis: list[dict], retry_condition: bool = True) -> dict:
+    out.mkdir(parents=True, exist_ok=True)
+    meta = {"ttl_s": 10, "lock_delay_s": 5, "fire_until": T0 + 15, "t_end": T0 + 20, "clients": ["c1", "c2", "c3"],
+            "applied_before": 100, "applied_after": 130,
+            "jobs": [{"name": "s", "policy": "skip", "schedule": "*:*:0/5", "seconds": 1, "interval_s": 5,
+                      "condition_holds": False},
+                     {"name": "r", "policy": "retry", "schedule": "*:*:0/5", "seconds": 1, "interval_s": 5,
+                      "condition_holds": retry_condition}]}
+    (out / "run.json").write_text(json.dumps(meta))
+    (out / "history.log").write_text("".join(json.dumps(line) + "\n" for line in history))
+    (out / "nemesis.log").write_text("".join(json.dumps(line) + "\n" for line in nemesis))
+    return check(out)
+
+
+def _run(job: str, node: str, pid: int, occ: str, token: int, start: float, beats: int, ended: bool = True) -> list[dict]:
+    lines = [{"t": start, "ev": "start", "job": job, "pid": pid, "token": token, "node": node, "wrapper": pid - 1,
+              "occ": occ}]
+    lines += [{"t": start + 0.1 * (i + 1), "ev": "hb", "job": job, "pid": pid, "token": token} for i in range(beats)]
+    if ended:
+        lines.append({"t": start + 0.1 * beats + 0.01, "ev": "end", "job": job, "pid": pid, "token": token})
+    return lines
+
+
+def _fires(job: str, occ_index: int) -> list[dict]:
+    return [{"t": T0 + 5 * occ_index, "ev": "fire", "node": n, "job": job, "sched": OCC[occ_index], "wrapper": 1}
+            for n in ("c1", "c2", "c3")]
+
+
+def test_checker_passes_a_clean_history(tmp_path: Path) -> None:
+    history = [*_fires("s", 0), *_fires("r", 0), *_run("s", "c1", 100, OCC[0], 10, T0 + 0.5, 10),
+               *_run("r", "c2", 200, OCC[0], 11, T0 + 0.6, 10)]
+    report = _write(tmp_path, history, [])
+    assert report["violations"] == []
+    assert report["jobs"]["s"]["completed"] == 1
+    assert report["raft_writes_per_occurrence"] == 15.0
+
+
+def test_checker_finds_an_overlap_and_a_duplicate_under_skip(tmp_path: Path) -> None:
+    history = [*_fires("s", 0), *_run("s", "c1", 100, OCC[0], 10, T0 + 0.5, 10),
+               *_run("s", "c2", 200, OCC[0], 12, T0 + 1.0, 10)]
+    history.sort(key=lambda line: line["t"])
+    nemesis = [{"t": T0 + 0.7, "ev": "fault", "id": 1, "kind": "partition-client", "node": "c1"},
+               {"t": T0 + 3, "ev": "heal", "id": 1, "kind": "partition-client", "recovered": T0 + 4}]
+    report = _write(tmp_path, history, nemesis)
+    kinds = sorted(v["kind"] for v in report["violations"])
+    assert kinds == ["duplicate under skip", "overlap"]
+    overlap = report["jobs"]["s"]["overlaps"][0]
+    assert overlap["faults"] == ["partition-client@c1#1"]
+    assert 0.4 < overlap["seconds"] < 0.6
+    assert overlap["stale_writes"] == overlap["stale_writes_rejected_by_token"] > 0
+
+
+def test_checker_counts_pause_overlaps_apart(tmp_path: Path) -> None:
+    stale = _run("s", "c1", 100, OCC[0], 10, T0 + 0.5, 60, ended=False)
+    fresh = _run("s", "c2", 200, OCC[1], 14, T0 + 5.5, 10)
+    history = sorted([*_fires("s", 0), *_fires("s", 1), *stale, *fresh], key=lambda line: line["t"])
+    nemesis = [{"t": T0 + 0.55, "ev": "fault", "id": 1, "kind": "pause", "node": "c1", "pids": [100, 99]},
+               {"t": T0 + 6, "ev": "heal", "id": 1, "kind": "pause", "healed": T0 + 6, "recovered": T0 + 6}]
+    report = _write(tmp_path, history, nemesis)
+    assert report["violations"] == []
+    job = report["jobs"]["s"]
+    assert len(job["pause_overlaps"]) == 1 and job["overlaps"] == []
+    assert job["pause_overlaps_all_rejected_by_token"] is True
+    assert job["fenced_after_pause_s"]["n"] == 1
+
+
+def test_checker_finds_a_lost_occurrence_under_retry_only_where_the_condition_holds(tmp_path: Path) -> None:
+    killed = _run("r", "c1", 100, OCC[0], 10, T0 + 0.5, 5, ended=False)
+    history = sorted([*_fires("r", 0), *killed], key=lambda line: line["t"])
+    nemesis = [{"t": T0 + 1.05, "ev": "fault", "id": 1, "kind": "wrapper-kill", "node": "c1", "wrapper": 99},
+               {"t": T0 + 1.05, "ev": "heal", "id": 1, "kind": "wrapper-kill", "recovered": T0 + 1.1}]
+    report = _write(tmp_path / "holds", history, nemesis)
+    assert [v["kind"] for v in report["violations"]] == ["lost under retry"]
+    assert report["violations"][0]["healthy_nodes"] == ["c2", "c3"]
+    assert report["jobs"]["r"]["fencing_latency_s"]["wrapper-kill"]["n"] == 1
+    dense = _write(tmp_path / "dense", history, nemesis, retry_condition=False)
+    assert dense["violations"] == []
+    assert len(dense["jobs"]["r"]["lost_with_healthy_node"]) == 1
+
+
+def _our_namespaces(tag: str) -> list[str]:
+    listing = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True).stdout
+    return [line.split()[0] for line in listing.splitlines() if line.split() and line.split()[0].endswith("-" + tag)]
+
+
+@pytest.mark.cluster
+@pytest.mark.consul
+def test_short_chaos_run_keeps_the_guarantees(consul_bin: str, tmp_path: Path, request: pytest.FixtureRequest) -> None:
+    """Two minutes of timers on 3 clients (3 servers) under random faults: no overlap outside a pause, no
+    duplicate under skip, no retry occurrence lost while a client node was healthy."""
+    require_tool("ip")
+    if os.geteuid() != 0:
+        pytest.fail("the chaos run needs root for network namespaces", pytrace=False)
+    out = tmp_path / "chaos"
+    cmd = [sys.executable, "-m", "bench.chaos", "--duration", "120s", "--out", str(out), "--seed",
+           os.environ.get("CONSULRUN_CHAOS_SEED", "11"),
+           "--job", "skip10:skip:4:*:*:0/10", "--job", "retry30:retry:1:*:*:0/30"]
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        _, stderr = proc.communicate(timeout=600)  # the run stops by itself: ~2 min of timers, then a drain
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGINT)  # it cleans up on Ctrl-C
+        _, stderr = proc.communicate(timeout=120)
+        pytest.fail(f"the chaos run did not stop by itself:\n{stderr[-3000:]}")
+    try:
+        report = json.loads((out / "report.json").read_text()) if (out / "report.json").exists() else None
+        assert report is not None, f"the run made no report (exit {proc.returncode}):\n{stderr[-3000:]}"
+        assert not _our_namespaces(f"x{proc.pid % 100000}"), "the run left network namespaces behind"
+        assert json.loads((out / "run.json").read_text())["drained"], "wrappers were still running after the drain"
+        assert sum(report["faults"].values()) >= 3, f"too few faults injected: {report['faults']}"
+        assert report["jobs"]["skip10"]["completed"] > 0 and report["jobs"]["retry30"]["completed"] > 0
+        assert report["jobs"]["retry30"]["retry_condition_holds"] is True
+        assert proc.returncode == 0 and not report["violations"], \
+            f"violations (history in {artifact_dir(request.node)}):\n{(out / 'report.md').read_text()[-6000:]}"
+    except BaseException:
+        dest = artifact_dir(request.node)
+        shutil.rmtree(dest, ignore_errors=True)
+        shutil.copytree(out, dest / "chaos", dirs_exist_ok=True)
+        (dest / "runner.stderr").write_text(stderr)
+        raise
