@@ -154,12 +154,24 @@ def translated(what: str) -> Iterator[None]:
     except consul.ConsulException as exc:
         text = _short(exc)
         if text.startswith("5") or "No cluster leader" in text or "rpc error" in text:
-            raise ConsulUnavailable(f"{what}: Consul cannot serve the request: {text}", transient=True) from None
+            raise ConsulUnavailable(f"{what}: Consul cannot serve the request: {text}",
+                                    transient=_election(text)) from None
         raise ConsulProtocolError(f"{what}: unexpected answer from Consul: {text}") from None
     except ValueError as exc:  # a body that is not the JSON Consul promises
         raise ConsulProtocolError(f"{what}: unexpected answer from Consul: {exc}") from None
     except (KeyError, IndexError, TypeError, AttributeError) as exc:  # JSON, but not of the shape Consul promises
         raise ConsulProtocolError(f"{what}: unexpected answer from Consul: {type(exc).__name__}: {_short(exc)}") from None
+
+
+# What servers answer while they elect a leader or a new leader catches up; worth retrying for a while.
+# Anything else (a bound check in critical state, an unknown session) is an answer, not an outage.
+_ELECTION_SIGNS = ("No cluster leader", "leadership lost", "not leader", "rpc error getting client",
+                   "failed to get conn", "connection refused", "i/o timeout", "EOF", "raft is already shutdown",
+                   "Missing check 'serfHealth' registration", "Raft leader not found", "context deadline exceeded")
+
+
+def _election(text: str) -> bool:
+    return any(sign in text for sign in _ELECTION_SIGNS)
 
 
 def _reason(exc: BaseException) -> str:
