@@ -36,6 +36,9 @@ def become_subreaper() -> None:
 
 
 def _in_child(parent: int) -> None:
+    # The wrapper blocks termination signals across the fork (so none is lost between its last look and the
+    # job's existence); the job starts with them unblocked.
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, (signal.SIGTERM, signal.SIGINT, signal.SIGHUP))
     os.setpgid(0, 0)
     _libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     if os.getppid() != parent:  # the wrapper died before the death signal was armed
@@ -56,6 +59,15 @@ def _parents() -> dict[int, int]:
         if fields[0] != b"Z":
             links[int(name)] = int(fields[1])
     return links
+
+
+def _has_children() -> bool:
+    """Whether this process has any child, living or exited, whatever /proc shows."""
+    try:
+        os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+    except ChildProcessError:
+        return False
+    return True
 
 
 def descendants(root: int | None = None, exclude: frozenset[int] = frozenset()) -> list[int]:
@@ -139,9 +151,13 @@ class Job:
         return descendants(exclude=self._foreign)
 
     def alive(self) -> bool:
-        """True while any process of the job exists (exited ones are reaped first)."""
+        """True while any process of the job exists (exited ones are reaped first).
+
+        /proc may hide some (hidepid=2 hides a non-dumpable process even from its own user), so when it shows
+        none the kernel is asked whether this subreaper still has a child at all.
+        """
         self.reap()
-        return bool(self.processes())
+        return bool(self.processes()) or (not self._foreign and _has_children())
 
     def kill_all(self, grace_s: float, now: Callable[[], float] = time.monotonic) -> None:
         """SIGTERM every process of the job, SIGKILL whatever is left after `grace_s` (at once if <= 0).
@@ -158,7 +174,7 @@ class Job:
         unkillable_by = now() + KILL_TIMEOUT_S
         while self.alive():
             if now() > unkillable_by:  # a process in uninterruptible sleep, or one we may not signal
-                raise JobUnkillable(f"process(es) {', '.join(map(str, self.processes()))} of the job survive "
-                                    f"SIGKILL after {KILL_TIMEOUT_S:.0f}s")
+                seen = ", ".join(map(str, self.processes())) or "that /proc does not show (hidepid?)"
+                raise JobUnkillable(f"process(es) {seen} of the job survive SIGKILL after {KILL_TIMEOUT_S:.0f}s")
             self.signal(signal.SIGKILL)
             time.sleep(0.01)

@@ -137,11 +137,11 @@ class Locker:
 
     def snapshot(self) -> tuple[dict[str, dict[str, Any]], str | None]:
         """(the lock entries, why the job is paused or None), read together."""
-        from consulrun.pause import describe, in_force, pause_key
+        from consulrun.pause import describe, in_force, pause_key, value_of
 
         lock_prefix = self.spec.keys()[0] if self.spec.concurrency == 1 else f"{self.spec.base}/slots/"
         found = self.client.read_trees([lock_prefix, pause_key(self.spec.base)])
-        paused = decoded(found.pop(pause_key(self.spec.base), None))
+        paused = value_of(found.pop(pause_key(self.spec.base), None))
         entries = {k: e for k, e in found.items() if k in self.spec.keys()}
         return entries, (describe(paused) if in_force(paused) else None)
 
@@ -243,11 +243,7 @@ class Locker:
                             # leader failed to answer): look before concluding anything.
                             results = self._committed(ops, session)
                         if results is not None:
-                            sent = clock()
-                            idx, entry = self.client.kv_get(key, consistent=True)
-                            if entry and entry.get("Session") == session:
-                                held = Held(key=key, session=session, fencing_token=int(entry["ModifyIndex"]),
-                                            index=idx, value=value, confirmed_at=sent, results=results)
+                            held = self.confirm_ours(key, value, results)
                     finally:
                         if held is None:  # a signal held back meanwhile is raised now
                             self.shield(False)
@@ -267,16 +263,44 @@ class Locker:
         Raises the read's own failure if even that cannot be known; the caller
         then destroys the session, which frees a lock it might hold.
         """
-        _, entry = self.client.kv_get(ops[0]["KV"]["Key"], consistent=True)
+        _, entry = self._read_again(ops[0]["KV"]["Key"])
         if not entry or entry.get("Session") != session:
             return None
         log.info("%s: the acquisition was answered with an error but went through", self.spec.job)
         results = []
         for op in ops:
-            _, written = self.client.kv_get(op["KV"]["Key"], consistent=True)
+            _, written = self._read_again(op["KV"]["Key"])
             if written:
                 results.append({"KV": written})
         return results
+
+    def _read_again(self, key: str, budget_s: float = 10.0) -> tuple[int, Any]:
+        """A consistent read that a transient failure does not end: after an acquisition, the session we hold
+        must not be given up because one read failed (that would free a claim we made)."""
+        give_up = clock() + budget_s
+        while True:
+            try:
+                return self.client.kv_get(key, consistent=True)
+            except ConsulUnavailable:
+                if clock() >= give_up:
+                    raise
+                time.sleep(0.5)
+
+    def confirm_ours(self, key: str, value: dict[str, Any] | None = None,
+                     results: list[dict[str, Any]] | None = None) -> Held | None:
+        """Held, if `key` is held by our current session (read consistently); None otherwise.
+
+        Also how a node recognises a lock it took itself when an answer went
+        missing: the session is ours, so is the claim.
+        """
+        if self.session is None:
+            return None
+        sent = clock()
+        idx, entry = self._read_again(key)
+        if not entry or entry.get("Session") != self.session:
+            return None
+        return Held(key=key, session=self.session, fencing_token=int(entry["ModifyIndex"]), index=idx,
+                    value=value if value is not None else decoded(entry), confirmed_at=sent, results=results or [])
 
     def acquire(self) -> tuple[Held | None, str]:
         """Acquire within the spec's wait; returns (held, why-not). The caller destroys the session on failure.
@@ -293,15 +317,18 @@ class Locker:
         while True:
             remaining = deadline - clock()
             if index:
-                index, entries = self.entries(index=index, wait_s=remaining)
-            else:  # the lock and the pause key in one read-only transaction: one round trip, no write
-                entries, paused = self.snapshot()
-                if paused:
-                    return None, paused
+                index, _ = self.entries(index=index, wait_s=remaining)  # woken by a change: look again, pause too
+            entries, paused = self.snapshot()
+            if paused:
+                return None, paused
+            if not index:  # the lock and the pause key in one read-only transaction: one round trip, no write
                 index = max((int(e["ModifyIndex"]) for e in entries.values()), default=0) or None
             if self.reap_dead_holder(entries):
                 index = None
                 continue
+            mine = next((k for k, e in entries.items() if self.session and e.get("Session") == self.session), None)
+            if mine and (held := self.confirm_ours(mine)):  # taken by us, its answer lost
+                return held, ""
             holders = [describe_holder(e) for e in entries.values() if e.get("Session")]
             if not holders:
                 held = self.try_once(entries)

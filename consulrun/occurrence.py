@@ -34,6 +34,7 @@ from consulrun import calendar, pause, testhook
 from consulrun.consulapi import Client, decoded, kv_op
 from consulrun.errors import ConsulrunError, ConsulUnavailable, UsageError
 from consulrun.lock import Held, Locker, LockDelayRetry, clock, describe_holder, now_iso
+from consulrun.trigger import fresh as trigger_fresh
 
 log = logging.getLogger("consulrun")
 
@@ -94,7 +95,7 @@ class Ledger:
         entries = self.client.read_trees([self.record_key, self.lock_key, self.pause_key, self.trigger_key],
                                          consistent=consistent)
         record_entry, lock, trigger = (entries.get(k) for k in (self.record_key, self.lock_key, self.trigger_key))
-        paused = decoded(entries.get(self.pause_key))
+        paused = pause.value_of(entries.get(self.pause_key))
         return Snapshot(record_index=int(record_entry["ModifyIndex"]) if record_entry else 0,
                         record=decoded(record_entry) or None, lock=lock,
                         paused=pause.describe(paused) if pause.in_force(paused) else None,
@@ -160,8 +161,16 @@ class Ledger:
             _, entries = self.client.kv_get(self.history_prefix, recurse=True)
         except ConsulrunError:  # pruning can wait for the next run; recording the result cannot
             entries = []
-        names = sorted({e["Key"] for e in entries or []} | {self.history_prefix + claim["occurrence"]})
-        ops += [kv_op("delete", key) for key in names[:max(0, len(names) - self.history_size)][:50]]
+        return ops + self.prune_ops(entries or [], keep=self.history_prefix + claim["occurrence"])
+
+    def prune_ops(self, entries: list[dict[str, Any]], keep: str) -> list[dict[str, Any]]:
+        """Deletes of the oldest history entries beyond the limit, occurrences and manual runs counted apart;
+        never the entry being written (`keep`)."""
+        ops = []
+        for manual in (False, True):
+            names = sorted({e["Key"] for e in entries if e["Key"].endswith("~manual") == manual} |
+                           ({keep} if keep.endswith("~manual") == manual else set()))
+            ops += [kv_op("delete", key) for key in names[:max(0, len(names) - self.history_size)][:50] if key != keep]
         return ops
 
     def failed_ops(self, record: dict[str, Any], record_index: int, state: str,
@@ -240,81 +249,98 @@ def acquire(locker: Locker, ledger: Ledger, occ: Occurrence, policy: str,
     deadline = clock() + wait_s
     if policy == "retry" and occ.next_when is not None:
         deadline = max(deadline, clock() + (occ.next_when - datetime.now(timezone.utc)).total_seconds())
-    consistent = False
+    look = {"consistent": False, "raced": False, "waiting": False, "first": True}
     retry = LockDelayRetry(locker.spec.lock_delay_ms)
-    raced = standing_by = False
     while True:
         try:
-            snap = ledger.snapshot(consistent=consistent)
-        except ConsulUnavailable:
-            if not standing_by or clock() >= deadline:
+            result = _step(locker, ledger, occ, policy, deadline, retry, look)
+        except ConsulUnavailable as exc:
+            # A standby (or a node about to take a dead run over) outlives a restarting agent or an election,
+            # until its deadline: giving up here would leave the occurrence to nobody.
+            if not look["waiting"] or clock() >= deadline:
                 raise
-            time.sleep(1.0)  # a standby outlives a restarting agent or an election, until its deadline
+            locker.say_waiting("standby-error", f"Consul cannot answer while standing by ({exc}); trying again",
+                               every_s=10)
+            time.sleep(min(1.0, max(0.0, deadline - clock())))
             continue
-        consistent = True  # the first look may be stale; every later one decides a takeover
-        if snap.trigger and snap.trigger.get("node") == locker.node_name():
-            return _manual(locker, ledger, snap)
-        if snap.paused:
-            return None, None, f"the job is {snap.paused}"
-        if snap.holder_session and locker.reap_dead_holder({ledger.lock_key: snap.lock}):
-            continue
-        record = snap.record or {}
-        _same_zone(record, occ)
-        state = ledger.verdict(snap, occ)
-        if state == "later":
-            return None, None, f"a later occurrence ({record['occurrence']}) is already claimed; {occ.id} is past"
-        if state == "done":
-            return None, None, (f"occurrence {occ.id} already ran on {record.get('node')} "
-                                f"(exit status {record.get('exit_status', '?')})")
-        if state == "dead" and policy == "skip":
-            ops = ledger.failed_ops(record, snap.record_index, "abandoned", ABANDONED_REASON)
-            if locker.client.txn(ops) is not None:
-                log.info("%s: occurrence %s was abandoned by %s; recorded", locker.spec.job, occ.id, record.get("node"))
-            continue
-        if state in ("running", "failed", "dead") and policy == "skip":
-            how = {"running": f"was claimed by {record.get('node')} and is running",
-                   "failed": f"was claimed by {record.get('node')} and ended {record.get('state')}; it is not run again"
-                   }[state]
-            lost_race = " (this node lost the race for it)" if raced else ""
-            return None, None, f"occurrence {occ.id} {how}{lost_race} (on_holder_loss=skip)"
-        holders = [snap.lock] if snap.holder_session else []
-        if not holders and state != "running":
-            claimed: dict[str, Any] = {}
-            takeover = state in ("failed", "dead")
+        if result is not None:
+            return result
 
-            def claim(value: dict[str, Any]) -> list[dict[str, Any]]:
-                ops, claimed["record"] = ledger.claim_ops(occ, snap, value, takeover=takeover)
-                return ops
 
-            testhook.pause("before-claim")
-            held = locker.try_once({ledger.lock_key: snap.lock} if snap.lock else {}, claim=claim)
-            if held:
-                return held, claimed["record"], ""
-            raced = True
-        remaining = deadline - clock()
-        if remaining <= 0:
-            if holders and state == "free":
-                return None, None, f"the previous run still holds the lock: {describe_holder(snap.lock or {})}"
-            if state == "running":
-                return None, None, (f"occurrence {occ.id} is still running on {record.get('node')}; "
-                                    "the next occurrence is due, so this node stops standing by")
-            return None, None, f"could not claim occurrence {occ.id}"
-        if holders:
-            standing_by = True
-            locker.abandon()  # a session must not outlive its TTL unrenewed while we wait
-            what = (f"occurrence {occ.id} runs on {record.get('node')}" if state == "running"
-                    else f"the previous run holds the lock: {describe_holder(snap.lock or {})}")
-            locker.say_waiting("standby", f"{what}; standing by for up to {remaining:.0f}s "
-                                          f"(on_holder_loss={policy})")
-            try:
-                locker.client.kv_get(ledger.lock_key, index=int((snap.lock or {}).get("ModifyIndex", 0)),
-                                     wait_s=min(remaining, 300))
-            except ConsulUnavailable as exc:  # a standby outlives a restarting agent or an election
-                locker.say_waiting("standby-error", f"cannot read the lock while standing by ({exc}); "
-                                                    "trying again", every_s=10)
-                time.sleep(min(1.0, max(0.0, deadline - clock())))
-        else:  # lock-delay after an invalidation, or a lost race: look again when it should be over
-            testhook.pause("lock-delay-wait")
-            locker.say_waiting("delay", f"occurrence {occ.id} is free to take over but lock-delay refuses it; "
-                                        "trying again when it ends", every_s=10)
-            locker.sleep(min(retry.next_wait(), remaining))
+def _step(locker: Locker, ledger: Ledger, occ: Occurrence, policy: str, deadline: float, retry: LockDelayRetry,
+          look: dict[str, bool]) -> tuple[Held | None, dict[str, Any] | None, str] | None:
+    """One look and what follows from it: a result, or None to look again."""
+    snap = ledger.snapshot(consistent=look["consistent"])
+    look["consistent"] = True  # the first look may be stale; every later one decides a takeover
+    first, look["first"] = look["first"], False
+    if snap.paused:
+        return None, None, f"the job is {snap.paused}"
+    if snap.holder_session and locker.reap_dead_holder({ledger.lock_key: snap.lock}):
+        return None
+    record = snap.record or {}
+    _same_zone(record, occ)
+    if locker.session and snap.holder_session == locker.session and record.get("session") == locker.session \
+            and record.get("occurrence") == occ.id and record.get("state") == "running":
+        held = locker.confirm_ours(ledger.lock_key, results=[{"KV": {"Key": ledger.record_key,
+                                                                     "ModifyIndex": snap.record_index}}])
+        if held:  # our own claim, whose answer went missing: it is ours to run
+            return held, record, ""
+    state = ledger.verdict(snap, occ)
+    # A manual run never takes the place of an occurrence this node should run or take over.
+    if first and snap.trigger and state in ("done", "later", "running") and trigger_fresh(snap.trigger) and \
+            snap.trigger.get("node") == locker.node_name():
+        return _manual(locker, ledger, snap)
+    if state == "later":
+        return None, None, f"a later occurrence ({record['occurrence']}) is already claimed; {occ.id} is past"
+    if state == "done":
+        return None, None, (f"occurrence {occ.id} already ran on {record.get('node')} "
+                            f"(exit status {record.get('exit_status', '?')})")
+    if state == "dead" and policy == "skip":
+        ops = ledger.failed_ops(record, snap.record_index, "abandoned", ABANDONED_REASON)
+        if locker.client.txn(ops) is not None:
+            log.info("%s: occurrence %s was abandoned by %s; recorded", locker.spec.job, occ.id, record.get("node"))
+        return None
+    if state in ("running", "failed", "dead") and policy == "skip":
+        how = {"running": f"was claimed by {record.get('node')} and is running",
+               "failed": f"was claimed by {record.get('node')} and ended {record.get('state')}; it is not run again"
+               }[state]
+        lost_race = " (this node lost the race for it)" if look["raced"] else ""
+        return None, None, f"occurrence {occ.id} {how}{lost_race} (on_holder_loss=skip)"
+    if state in ("running", "failed", "dead"):
+        look["waiting"] = True  # retry: from here on this node stands by or takes over
+    holders = [snap.lock] if snap.holder_session else []
+    if not holders and state != "running":
+        claimed: dict[str, Any] = {}
+        takeover = state in ("failed", "dead")
+
+        def claim(value: dict[str, Any]) -> list[dict[str, Any]]:
+            ops, claimed["record"] = ledger.claim_ops(occ, snap, value, takeover=takeover)
+            return ops
+
+        testhook.pause("before-claim")
+        held = locker.try_once({ledger.lock_key: snap.lock} if snap.lock else {}, claim=claim)
+        if held:
+            return held, claimed["record"], ""
+        look["raced"] = True
+    remaining = deadline - clock()
+    if remaining <= 0:
+        if holders and state == "free":
+            return None, None, f"the previous run still holds the lock: {describe_holder(snap.lock or {})}"
+        if state == "running":
+            return None, None, (f"occurrence {occ.id} is still running on {record.get('node')}; "
+                                "the next occurrence is due, so this node stops standing by")
+        return None, None, f"could not claim occurrence {occ.id}"
+    if holders:
+        look["waiting"] = True
+        locker.abandon()  # a session must not outlive its TTL unrenewed while we wait
+        what = (f"occurrence {occ.id} runs on {record.get('node')}" if state == "running"
+                else f"the previous run holds the lock: {describe_holder(snap.lock or {})}")
+        locker.say_waiting("standby", f"{what}; standing by for up to {remaining:.0f}s (on_holder_loss={policy})")
+        locker.client.kv_get(ledger.lock_key, index=int((snap.lock or {}).get("ModifyIndex", 0)),
+                             wait_s=min(remaining, 300))
+    else:  # lock-delay after an invalidation, or a lost race: look again when it should be over
+        testhook.pause("lock-delay-wait")
+        locker.say_waiting("delay", f"occurrence {occ.id} is free to take over but lock-delay refuses it; "
+                                    "trying again when it ends", every_s=10)
+        locker.sleep(min(retry.next_wait(), remaining))
+    return None

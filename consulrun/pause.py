@@ -14,12 +14,19 @@ import socket
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
-from consulrun.consulapi import Client, kv_op
+from consulrun.consulapi import Client, decoded, kv_op
 from consulrun.errors import ConsulProtocolError
 
 
 def pause_key(base: str) -> str:
     return f"{base}/pause"
+
+
+def value_of(entry: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The pause key's value; a key someone wrote that is not a readable pause still pauses (fail closed)."""
+    if entry is None:
+        return None
+    return decoded(entry) or {"reason": "the pause key holds no readable value"}
 
 
 def in_force(value: dict[str, Any] | None, now: datetime | None = None) -> bool:
@@ -33,6 +40,8 @@ def in_force(value: dict[str, Any] | None, now: datetime | None = None) -> bool:
         ends = datetime.fromisoformat(str(until).replace("Z", "+00:00"))
     except ValueError:
         return True  # an unreadable end is no reason to run a job someone paused
+    if ends.tzinfo is None:
+        ends = ends.replace(tzinfo=timezone.utc)  # written by hand without a zone: read as UTC
     return (now or datetime.now(timezone.utc)) < ends
 
 

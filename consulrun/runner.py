@@ -63,6 +63,7 @@ class _Signals:
         self._forwarded = 0
         self._job_got: set[int] = set()  # indexes into `received` that reached a running job
         self._shielded: list[bool] = []
+        self.first_at: float | None = None  # clock() of the first termination signal
         self.wakeup, writer = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self._writer = writer
         self._previous_fd = signal.set_wakeup_fd(writer, warn_on_full_buffer=False)
@@ -73,6 +74,8 @@ class _Signals:
             signal.signal(sig, lambda _signum, _frame: None)
 
     def _handle(self, signum: int, _frame: FrameType | None) -> None:
+        if not self.received:
+            self.first_at = clock()
         self.received.append(signum)
         if self.job is not None:
             self.forward_pending()
@@ -259,8 +262,19 @@ def _run_held(request: RunRequest, locker: Locker, held: Held, fencing: Fencing,
             return 128 + signum
         become_subreaper()
         _confirm_before_start(locker, held, watcher, fencing)
-        job = Job(list(request.command), _job_environment(held, spec, claim))  # no other thread while forking
-        signals.job = job
+        # From the last look at the signals to the fork, a signal waits (blocked), then reaches the job.
+        signal.pthread_sigmask(signal.SIG_BLOCK, FORWARDED)
+        try:
+            if signals.received:
+                signum = signals.received[0]
+                log.info("%s: %s before the job started; the job is not started", spec.job,
+                         signal.Signals(signum).name)
+                outcome = {"lost": f"{signal.Signals(signum).name} before the job started"}
+                return 128 + signum
+            job = Job(list(request.command), _job_environment(held, spec, claim))  # no other thread while forking
+            signals.job = job
+        finally:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, FORWARDED)
         signals.forward_pending()
         watcher.start()  # if it cannot start, the except below kills the job before anything is released
         testhook.pause("started")
@@ -294,8 +308,8 @@ def _run_held(request: RunRequest, locker: Locker, held: Held, fencing: Fencing,
         if _job_gone(job, spec.job):
             testhook.pause("releasing")
             # Stopping (systemctl stop) leaves TimeoutStopSec=: after a termination signal, retry only briefly.
-            _close(locker, held, ledger, claim, outcome, stopping=lambda: bool(signals.received),
-                   stop_budget_s=fencing.grace_s)
+            _close(locker, held, ledger, claim, outcome, stopping=lambda: signals.first_at,
+                   stop_budget_s=fencing.kill_by_s - fencing.grace_s)
         else:
             locker.session = None  # never destroy it: the lock must outlive the job's processes
 
@@ -311,11 +325,20 @@ def _confirm_before_start(locker: Locker, held: Held, watcher: Watcher, fencing:
     starting (the Jepsen lesson: re-check the lease after waiting); a job must
     never *start* after another node could have taken over.
     """
-    sent = clock()
-    try:
-        _, entry = locker.client.kv_get(held.key, consistent=True)
-    except ConsulrunError as exc:
-        raise NotConfirmed(f"cannot confirm it: {exc}") from None
+    deadline = held.confirmed_at + fencing.fence_after_s
+    while True:
+        sent = clock()
+        if sent >= deadline:
+            raise NotConfirmed(f"no confirmation within {fencing.fence_after_s:.1f}s of the acquisition")
+        try:
+            _, entry = locker.client.kv_get(held.key, consistent=True)
+            break
+        except ConsulUnavailable as exc:  # unknown is not lost: ask again until the fencing deadline
+            log.warning("%s: cannot confirm the lock before starting the job (%s); asking again", locker.spec.job,
+                        exc)
+            time.sleep(min(0.5, max(0.0, deadline - clock())))
+        except ConsulrunError as exc:
+            raise NotConfirmed(f"cannot confirm it: {exc}") from None
     if not entry or entry.get("Session") != held.session:
         raise NotConfirmed("the key is no longer held by this node's session")
     if clock() - sent > fencing.fence_after_s:
@@ -341,7 +364,8 @@ FINISH_RETRY_S = 30.0
 
 
 def _close(locker: Locker, held: Held, ledger: occurrence.Ledger | None, claim: dict[str, Any] | None,
-           outcome: dict[str, Any], stopping: Callable[[], bool] = lambda: False, stop_budget_s: float = 0.0) -> None:
+           outcome: dict[str, Any], stopping: Callable[[], float | None] = lambda: None,
+           stop_budget_s: float = 0.0) -> None:
     """Record the outcome and release, retrying transient failures for a bounded time; destroy the session.
 
     A completed run that could not be recorded would be re-run by a `retry`
@@ -357,8 +381,9 @@ def _close(locker: Locker, held: Held, ledger: occurrence.Ledger | None, claim: 
     shortened = False
     backoff = 0.25
     while True:
-        if stopping() and not shortened:  # being stopped: what is left of the stop timeout is all there is
-            give_up, shortened = min(give_up, clock() + stop_budget_s), True
+        signalled_at = stopping()
+        if signalled_at is not None and not shortened:  # being stopped: only what is left of the stop timeout
+            give_up, shortened = min(give_up, signalled_at + stop_budget_s), True
         try:
             locker.keep_alive()
             if _record_and_release(locker, held, ledger, claim, outcome):

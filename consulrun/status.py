@@ -21,7 +21,7 @@ from consulrun import calendar, procinfo
 from consulrun.consulapi import Client, decoded
 from consulrun.errors import ConsulrunError, PermissionDenied
 from consulrun.manifest import Job, Manifest
-from consulrun.pause import in_force as pause_in_force
+from consulrun.pause import in_force as pause_in_force, value_of as pause_value_of
 
 DEFAULT_GRACE_S = 60.0
 UNKNOWN_ACCURACY_S = 60.0  # systemd's AccuracySec= default, assumed when no manifest says better
@@ -275,7 +275,7 @@ def judge_job(name: str, keys: dict[str, dict[str, Any]], manifest: Manifest | N
     expect = Expectations.of(job, record, grace_s) if status.state != "orphaned" else None
     if expect is not None:
         status.next = iso(calendar.following(list(expect.schedules), now))
-    paused = decoded(keys.get("pause"))
+    paused = pause_value_of(keys.get("pause"))
     if pause_in_force(paused, now):
         status.paused = paused
         # Nobody runs a paused job's occurrences: not claiming them is what was asked for, not a miss.

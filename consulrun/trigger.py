@@ -12,6 +12,7 @@ run; a job that is running already is reported, not run twice.
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import time
 import uuid
@@ -22,7 +23,7 @@ from typing import Any, Callable
 from consulrun.consulapi import Client, decoded, kv_op
 from consulrun.errors import ConsulrunError
 from consulrun.lock import describe_holder
-from consulrun.pause import who
+from consulrun.pause import describe, in_force, pause_key, value_of, who
 
 
 class NotTriggered(ConsulrunError):
@@ -34,6 +35,21 @@ class Outcome:
     record: dict[str, Any] | None  # the manual run's history entry, if it ran
     unit_status: int  # what `systemctl start` returned
     unit_output: str
+
+
+MAX_AGE_S = 600  # a request older than this was left by a trigger that died; runs ignore it
+
+
+def fresh(request: dict[str, Any], now: datetime | None = None) -> bool:
+    try:
+        at = datetime.fromisoformat(str(request.get("at")).replace("Z", "+00:00"))
+    except ValueError:
+        return False
+    return ((now or datetime.now(timezone.utc)) - at).total_seconds() < MAX_AGE_S
+
+
+def _stopped(signum: int, _frame: Any) -> None:
+    raise SystemExit(128 + signum)  # through the `finally` that withdraws the request
 
 
 def _wait_free(client: Client, lock_key: str, wait_s: float) -> None:
@@ -52,16 +68,25 @@ def _wait_free(client: Client, lock_key: str, wait_s: float) -> None:
 def trigger(client: Client, base: str, unit: str, *, wait_s: float,
             start_unit: Callable[[str], subprocess.CompletedProcess[str]]) -> Outcome:
     lock_key, trigger_key = f"{base}/lock", f"{base}/trigger"
+    _, paused = client.kv_get(pause_key(base))
+    if paused is not None and in_force(value_of(paused)):
+        raise NotTriggered(f"the job is {describe(value_of(paused) or {})}; resume it first; not triggered")
     _wait_free(client, lock_key, wait_s)
     request = {"id": str(uuid.uuid4()), "by": who(),
                "at": datetime.now(timezone.utc).isoformat(timespec="seconds").replace("+00:00", "Z"),
                "node": client.node_name()}
+    _, pending = client.kv_get(trigger_key)
+    if pending and not fresh(decoded(pending)):  # left by a trigger that died: it asks for nothing any more
+        client.txn([kv_op("delete-cas", trigger_key, Index=int(pending["ModifyIndex"]))])
     if client.txn([kv_op("cas", trigger_key, request, Index=0)]) is None:
         _, pending = client.kv_get(trigger_key)
         raise NotTriggered(f"another trigger is pending: {decoded(pending)}; not triggered")
+    stop = {sig: signal.signal(sig, _stopped) for sig in (signal.SIGTERM, signal.SIGHUP)}
     try:
         started = start_unit(unit)
     finally:
+        for sig, handler in stop.items():
+            signal.signal(sig, handler)
         # A request the run did not consume (it found the job running, or never started) must not linger.
         _, entry = client.kv_get(trigger_key)
         if entry and decoded(entry).get("id") == request["id"]:

@@ -464,8 +464,7 @@ def test_sigkilled_wrapper_in_a_unit_leaves_no_job_process(systemd_container, co
         assert "destroying the session" in journal
     finally:
         ctr.systemctl("stop", "consulrun-oomjob.service", check=False)
-        agent.terminate()
-        agent.wait(timeout=20)
+        stop_agent_in(ctr, consul_bin, agent)
 
 
 # --- 5 and 12, in a cluster: leader elections are not outages ---------------------------------------------------------
@@ -585,3 +584,11 @@ def test_result_recorded_over_an_abandoned_guess_when_nobody_took_over(consul: A
     record = kv_json(consul, "consulrun/guess/occurrence")
     assert record["state"] == "done" and record["exit_status"] == 0
     assert sessions(consul) == []
+
+
+def stop_agent_in(ctr, consul_bin: str, agent: subprocess.Popen[bytes]) -> None:
+    """Stop a container's agent: `nsenter` forks into the pid namespace, so signalling it is not enough."""
+    ctr.exec(consul_bin, "leave", check=False)
+    agent.terminate()
+    agent.wait(timeout=20)
+    wait_for(lambda: ctr.exec(consul_bin, "members", check=False).returncode != 0, 20, "the container's agent to stop")

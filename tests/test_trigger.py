@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from tests.harness.agents import Agent, wait_for
+from tests.test_faults import stop_agent_in
 from tests.test_run import consulrun, finish
 
 pytestmark = pytest.mark.consul
@@ -83,5 +84,4 @@ def test_trigger_runs_once_through_the_unit_beside_its_timer(systemd_container, 
         assert entries[0]["requested_by"].startswith("root@")
     finally:
         ctr.systemctl("stop", "consulrun-trigjob.timer", "consulrun-trigjob.service", check=False)
-        agent.terminate()
-        agent.wait(timeout=20)
+        stop_agent_in(ctr, consul_bin, agent)
