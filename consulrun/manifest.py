@@ -70,6 +70,8 @@ class Job:
     timer: TimerSettings
     on_holder_loss: str = "skip"
     history: int = 20
+    on_failure: tuple[str, ...] = ()  # argv run by <unit_prefix>-onfailure@<job>.service (OnFailure=)
+    ping_url: str | None = None
 
 
 @dataclass(frozen=True)
@@ -224,9 +226,16 @@ def _check_representable(problems: _Problems, job: dict[str, Any], jpath: tuple[
     for name in ("working_directory", "environment_file"):
         if isinstance(job.get(name), str):
             checks.append((jpath + (name,), job[name], unitescape.Context.PLAIN))
-    if isinstance(job.get("command"), list):
-        checks += [(jpath + ("command", i), arg, unitescape.Context.EXEC_ARG)
-                   for i, arg in enumerate(job["command"]) if isinstance(arg, str)]
+    for name in ("command", "on_failure"):
+        if isinstance(job.get(name), list):
+            checks += [(jpath + (name, i), arg, unitescape.Context.EXEC_ARG)
+                       for i, arg in enumerate(job[name]) if isinstance(arg, str)]
+        elif isinstance(job.get(name), str):  # a string is split first; each word must fit ExecStart= too
+            try:
+                words = shlex.split(job[name])
+            except ValueError:
+                words = []  # reported by _split_command
+            checks += [(jpath + (name,), arg, unitescape.Context.EXEC_ARG) for arg in words]
     if isinstance(job.get("environment"), dict):
         checks += [(jpath + ("environment", k), f"{k}={v}", unitescape.Context.ENV_ASSIGNMENT)
                    for k, v in job["environment"].items() if isinstance(v, (str, int))]
@@ -246,6 +255,7 @@ def _semantic_checks(problems: _Problems, data: dict[str, Any]) -> None:
             parse_address(data["consul"]["address"])
         except AddressError as exc:
             problems.add(("consul", "address"), str(exc))
+    _check_representable(problems, defaults, ("defaults",))  # its on_failure reaches every job's unit
     jobs = data.get("jobs") if isinstance(data.get("jobs"), dict) else {}
     for name, job in jobs.items():
         if not isinstance(job, dict):
@@ -259,8 +269,9 @@ def _semantic_checks(problems: _Problems, data: dict[str, Any]) -> None:
             problem = schedule_problem(spec) if isinstance(spec, str) else None
             if problem:
                 problems.add(jpath + ("schedule",) + ((i,) if isinstance(schedules, list) else ()), problem)
-        if isinstance(job.get("command"), str):
-            _split_command(problems, jpath + ("command",), job["command"])
+        for name in ("command", "on_failure"):
+            if isinstance(job.get(name), str):
+                _split_command(problems, jpath + (name,), job[name])
         _check_representable(problems, job, jpath)
     for path, block in lock_blocks:
         if not isinstance(block, dict):
@@ -297,6 +308,14 @@ def _timer(raw: dict[str, Any]) -> TimerSettings:
     )
 
 
+def _on_failure(problems: _Problems, name: str, raw: dict[str, Any], defaults: dict[str, Any]) -> tuple[str, ...]:
+    if "on_failure" in raw:
+        return _split_command(problems, ("jobs", name, "on_failure"), raw["on_failure"])
+    if "on_failure" in defaults:
+        return _split_command(problems, ("defaults", "on_failure"), defaults["on_failure"])
+    return ()
+
+
 def _build(source: str, data: dict[str, Any], problems: _Problems) -> Manifest:
     defaults = data.get("defaults", {})
     jobs = []
@@ -318,6 +337,8 @@ def _build(source: str, data: dict[str, Any], problems: _Problems) -> Manifest:
             timer=_timer({**defaults.get("timer", {}), **raw.get("timer", {})}),
             on_holder_loss=raw.get("on_holder_loss", defaults.get("on_holder_loss", "skip")),
             history=raw.get("history", defaults.get("history", 20)),
+            on_failure=_on_failure(problems, name, raw, defaults),
+            ping_url=raw.get("ping_url", defaults.get("ping_url")),
         ))
     return Manifest(
         source=source,

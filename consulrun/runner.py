@@ -25,7 +25,7 @@ from datetime import datetime, timezone
 from types import FrameType
 from typing import Any
 
-from consulrun import occurrence, testhook
+from consulrun import notify, occurrence, testhook
 from consulrun.child import Job, become_subreaper
 from consulrun.consulapi import Client, ConsulConfig
 from consulrun.errors import ConsulUnavailable, ExitCode, JobNotStarted, UsageError
@@ -45,6 +45,7 @@ class RunRequest:
     schedules: tuple[str, ...] = ()  # with schedules, each occurrence runs once (occurrence.py)
     on_holder_loss: str = "skip"
     history: int = 20
+    ping_url: str | None = None  # Healthchecks.io-style monitor (notify.py)
 
 
 class _Signals:
@@ -238,6 +239,7 @@ def _run_held(request: RunRequest, locker: Locker, held: Held, fencing: Fencing,
     job: Job | None = None
     outcome: dict[str, Any] = {}
     status: int = ExitCode.SOFTWARE
+    pings = notify.Pings(request.ping_url, spec.job)
     try:
         testhook.pause("acquired", lambda: bool(signals.received))
         if signals.received:
@@ -250,6 +252,7 @@ def _run_held(request: RunRequest, locker: Locker, held: Held, fencing: Fencing,
         job = Job(list(request.command), _job_environment(held, spec, claim))
         signals.job = job
         signals.forward_pending()
+        pings.start()
         testhook.pause("started")
         testhook.fail("started")
         status, lost = _supervise(job, watcher, fencing, signals, spec.job)
@@ -272,6 +275,7 @@ def _run_held(request: RunRequest, locker: Locker, held: Held, fencing: Fencing,
         return ExitCode.SOFTWARE
     finally:
         watcher.stop()
+        pings.finish(outcome)
         if _job_gone(job, spec.job):
             testhook.pause("releasing")
             _close(locker, held, ledger, claim, outcome)
