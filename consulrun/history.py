@@ -15,7 +15,7 @@ from consulrun.consulapi import Client, decoded
 from consulrun.status import NoState, parse_time, probe, seconds_between
 
 FIELDS = ("occurrence", "attempt", "node", "started", "ended", "duration_s", "exit_status", "state", "takeover",
-          "manual", "reason")
+          "manual", "reason", "session")
 
 
 def _row(record: dict[str, Any], **overrides: Any) -> dict[str, Any]:

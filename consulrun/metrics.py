@@ -30,6 +30,7 @@ from consulrun.manifest import Manifest
 
 log = logging.getLogger("consulrun")
 
+# Jobs are labelled `job_name`: `job` is the label Prometheus gives every target (it would become `exported_job`).
 # Schedule lag spans timer accuracy (1s..1min), randomized delays and takeovers (lock-delay + TTLs): 0.1s to 1h.
 LAG_BUCKETS = (0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120, 300, 600, 1800, 3600)
 # `state` label values: the lock being held, and every problem `consulrun status` can report.
@@ -62,9 +63,9 @@ class ClusterMetrics:
         self.grace_s = grace_s
         self.registry = CollectorRegistry()
         self.runs = Counter("consulrun_job_runs", "Finished runs seen in the jobs' history, by outcome "
-                            "(success, failed, lost, abandoned).", ["job", "outcome"], registry=self.registry)
+                            "(success, failed, lost, abandoned).", ["job_name", "outcome"], registry=self.registry)
         self.lag = Histogram("consulrun_job_schedule_lag_seconds", "Job start minus its scheduled occurrence, "
-                             "per attempt (a takeover's attempt included).", ["job"], buckets=LAG_BUCKETS,
+                             "per attempt (a takeover's attempt included).", ["job_name"], buckets=LAG_BUCKETS,
                              registry=self.registry)
         self._counted: set[tuple[Any, ...]] = set()
         self._lagged: set[tuple[Any, ...]] = set()
@@ -95,7 +96,7 @@ class ClusterMetrics:
 
     def _count_runs(self, job: str, rows: list[dict[str, Any]]) -> None:
         for row in rows:
-            key = (job, row["occurrence"], row["attempt"], row["started"], row["node"])
+            key = (job, row["occurrence"], row["attempt"], row["started"], row["node"], row["session"])
             occurred, started = _ts(row["occurrence"]), _ts(row["started"])
             if key not in self._lagged and occurred is not None and started is not None and not row["manual"]:
                 self._lagged.add(key)
@@ -121,22 +122,22 @@ class ClusterMetrics:
         yield refreshed
         families = {
             "start": GaugeMetricFamily("consulrun_job_last_start_timestamp_seconds",
-                                       "Start of the job's last run (any node).", labels=["job"]),
+                                       "Start of the job's last run (any node).", labels=["job_name"]),
             "end": GaugeMetricFamily("consulrun_job_last_end_timestamp_seconds",
-                                     "End of the job's last finished run.", labels=["job"]),
+                                     "End of the job's last finished run.", labels=["job_name"]),
             "duration": GaugeMetricFamily("consulrun_job_last_duration_seconds",
-                                          "Duration of the job's last finished run.", labels=["job"]),
+                                          "Duration of the job's last finished run.", labels=["job_name"]),
             "exit": GaugeMetricFamily("consulrun_job_last_exit_status",
-                                      "Exit status of the job's last finished run.", labels=["job"]),
+                                      "Exit status of the job's last finished run.", labels=["job_name"]),
             "success": GaugeMetricFamily("consulrun_job_last_success_timestamp_seconds",
-                                         "End of the job's last run that exited 0.", labels=["job"]),
+                                         "End of the job's last run that exited 0.", labels=["job_name"]),
             "state": GaugeMetricFamily("consulrun_job_state",
                                        "1 if the job is in this state (held, or a problem `consulrun status` "
-                                       "reports), else 0.", labels=["job", "state"]),
+                                       "reports), else 0.", labels=["job_name", "state"]),
             "health": GaugeMetricFamily("consulrun_job_health",
                                         "`consulrun status` verdict for the job, as its exit status: 0 ok, 1 last "
                                         "run failed/lost/abandoned, 3 missed, 4 overdue, 5 holder unhealthy.",
-                                        labels=["job"]),
+                                        labels=["job_name"]),
         }
         for s in self._statuses:
             last = s.last or {}
