@@ -44,7 +44,7 @@ Exit statuses:
   74  writing output failed
   75  lock lost while the job ran: the job was killed
   77  permission denied by Consul ACLs: nothing was started (`status`: ACLs hide part of the state)
-  127 `run`: the job's command could not be started
+  127 `run`: the job's command could not be started (`on-failure`: its command)
   128+N `run`: signal N arrived while no job was running to receive it
 """
 
@@ -113,7 +113,7 @@ def main() -> None:
               help="Folder to write the units into, or - to print them.")
 @click.option("--check", is_flag=True, help="Change nothing; print a diff and exit 1 if DIR is out of date.")
 @click.option("--templates", type=Folder(),
-              help="Folder with service.j2 and/or timer.j2 overriding the shipped templates.")
+              help="Folder with service.j2, timer.j2 and/or onfailure.j2 overriding the shipped templates.")
 @click.option("--consulrun-path", type=AbsolutePath(), default=_default_consulrun_path, show_default="this consulrun",
               help="Absolute path of consulrun as the units' ExecStart= calls it.")
 def generate(manifest: Path, output: str, check: bool, templates: Path | None, consulrun_path: str) -> None:
@@ -260,7 +260,8 @@ def _setup_logging() -> None:
 @click.option("--dry-run", is_flag=True, help="Print the diff and the systemctl actions; change nothing.")
 @click.option("--no-start", is_flag=True, help="Enable the timers but do not start them.")
 @click.option("--templates", type=Folder(),
-              help="Folder with service.j2 and/or timer.j2 overriding the shipped templates (sent along with --host).")
+              help="Folder with service.j2, timer.j2 and/or onfailure.j2 overriding the shipped templates "
+                   "(sent along with --host).")
 @click.option("--consulrun-path", type=AbsolutePath(), default=_default_consulrun_path, show_default="this consulrun",
               help="Absolute path of consulrun on the node(s), as units call it.")
 @click.option("--host", "hosts", multiple=True, metavar="NODE",

@@ -57,6 +57,7 @@ class Pings:
         self._queue: queue.Queue[str | None] = queue.Queue()
         self._thread: threading.Thread | None = None
         self._finished = False
+        self._sending: str | None = None  # the URL being requested now, for the exit-time warning
 
     def start(self) -> None:
         self._send("/start")
@@ -68,8 +69,18 @@ class Pings:
         self._send(result_suffix(outcome))
         if self._thread is not None:
             self._queue.put(None)
-            give_up = time.monotonic() + self.timeout_s
-            atexit.register(lambda: self._thread.join(max(0.0, give_up - time.monotonic())))  # type: ignore[union-attr]
+            atexit.register(self._wait, time.monotonic() + self.timeout_s)
+
+    def _wait(self, give_up: float) -> None:
+        """At exit: give the last pings until `give_up`, then leave them (the daemon thread dies with us)."""
+        thread = self._thread
+        if thread is None:
+            return
+        thread.join(max(0.0, give_up - time.monotonic()))
+        if thread.is_alive():
+            sending = self._sending
+            log.warning("%s: ping %s failed: no answer within %.0fs; not waiting longer", self.job,
+                        _redacted(sending) if sending else "(queued)", self.timeout_s)
 
     def _send(self, suffix: str) -> None:
         if not self.url:
@@ -84,6 +95,7 @@ class Pings:
             url = self._queue.get()
             if url is None:
                 return
+            self._sending = url
             try:
                 request = urllib.request.Request(url, headers={"User-Agent": "consulrun"})
                 with urllib.request.urlopen(request, timeout=self.timeout_s) as response:  # noqa: S310 - http(s) only
