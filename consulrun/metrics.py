@@ -183,15 +183,22 @@ def serve(metrics: ClusterMetrics, make_client: Callable[[], Client], listen: tu
     Consul being unreachable is not the end: the exporter says so
     (`consulrun_exporter_consul_up 0`) and retries with backoff up to 30s.
     """
+    index: int | None = None
+    client: Client | None = None
+    try:  # the first answer is ready before the first scrape: no spurious `consul_up 0` at start
+        client = make_client()
+        index = metrics.refresh(client)
+    except UsageError:
+        raise
+    except ConsulrunError as exc:
+        metrics.failed(exc)
     try:
         start_http_server(listen[1], addr=listen[0], registry=metrics.registry)
     except OSError as exc:
         raise OutputError(f"--listen: cannot listen on {listen[0]}:{listen[1]}: {os_reason(exc)}") from None
     log.info("exporter: serving metrics of %s/ on http://%s:%d/metrics", metrics.prefix,
              f"[{listen[0]}]" if ":" in listen[0] else listen[0], listen[1])
-    index: int | None = None
     delay = 1.0
-    client: Client | None = None
     while True:
         try:
             client = client or make_client()
