@@ -256,6 +256,8 @@ def _semantic_checks(problems: _Problems, data: dict[str, Any]) -> None:
         except AddressError as exc:
             problems.add(("consul", "address"), str(exc))
     _check_representable(problems, defaults, ("defaults",))  # its on_failure reaches every job's unit
+    if isinstance(defaults.get("on_failure"), str):  # checked even where every job overrides it
+        _split_command(problems, ("defaults", "on_failure"), defaults["on_failure"])
     jobs = data.get("jobs") if isinstance(data.get("jobs"), dict) else {}
     for name, job in jobs.items():
         if not isinstance(job, dict):
