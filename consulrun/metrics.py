@@ -83,8 +83,12 @@ class ClusterMetrics:
         except status.NoState as exc:  # nothing ran yet: no job metrics, but Consul answered
             idx, statuses = exc.index, []
         _, tree = status.read_prefix(client, self.prefix + "/")
+        present: set[tuple[Any, ...]] = set()
         for job, keys in sorted(tree.items()):
-            self._count_runs(job, history.rows_of(keys))
+            present |= self._count_runs(job, history.rows_of(keys))
+        # A run history no longer holds cannot come back: forget it, so a long-lived exporter stays small.
+        self._counted &= present
+        self._lagged &= present
         self._statuses, self._up, self._refreshed = statuses, True, time.time()
         return idx
 
@@ -94,9 +98,12 @@ class ClusterMetrics:
         if not quiet:
             log.warning("exporter: cannot read Consul: %s", exc.format_message())
 
-    def _count_runs(self, job: str, rows: list[dict[str, Any]]) -> None:
+    def _count_runs(self, job: str, rows: list[dict[str, Any]]) -> set[tuple[Any, ...]]:
+        """Count the runs not counted yet; return the keys of all of them."""
+        keys = set()
         for row in rows:
             key = (job, row["occurrence"], row["attempt"], row["started"], row["node"], row["session"])
+            keys.add(key)
             occurred, started = _ts(row["occurrence"]), _ts(row["started"])
             if key not in self._lagged and occurred is not None and started is not None and not row["manual"]:
                 self._lagged.add(key)
@@ -108,6 +115,7 @@ class ClusterMetrics:
             ended = _ts(row["ended"])
             if outcome == "success" and ended is not None and ended > self._success.get(job, 0.0):
                 self._success[job] = ended
+        return keys
 
     def collect(self) -> Iterator[Metric]:
         up = GaugeMetricFamily("consulrun_exporter_consul_up",

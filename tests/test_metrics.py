@@ -88,6 +88,21 @@ def test_held_job_is_held(consul: Agent, tmp_path: Path) -> None:
         finish(holder)
 
 
+def test_manifest_schedule_makes_missed_runs_a_state(consul: Agent, tmp_path: Path) -> None:
+    """With the manifest, the exporter judges as `status` does: an every-second job that ran once is soon missed."""
+    manifest = tmp_path / "jobs.yaml"
+    manifest.write_text("jobs:\n  tick: {command: 'true', schedule: '*:*:*', timer: {accuracy: 1s}}\n")
+    code, _, err = finish(consulrun("run", "--schedule", "*:*:*", "tick", "--", "true"))
+    assert code == 0, err
+
+    def missed() -> bool:
+        code, text, err = export(str(manifest), "--grace", "0s", "--textfile", "-")
+        assert code == 0, err
+        return samples(text)[("consulrun_job_state", (("job_name", "tick"), ("state", "missed")))] == 1
+
+    wait_for(missed, 20, "the exporter to report the next occurrences missed")
+
+
 def test_consul_unreachable_withdraws_job_metrics_and_fails(tmp_path: Path) -> None:
     out = tmp_path / "consulrun.prom"
     code, _, err = export("--textfile", str(out), env={"CONSUL_HTTP_ADDR": "127.0.0.1:9"})
