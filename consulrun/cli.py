@@ -676,8 +676,10 @@ def exporter(manifest: Path | None, prefix: str | None, listen: str, textfile: s
     _setup_logging()
     if textfile is None:
         address = parse_listen(listen)
-        serve(metrics, lambda: Client(config), address)
-        return
+        try:
+            serve(metrics, lambda: Client(config), address)
+        except KeyboardInterrupt:
+            sys.exit(130)
     problem: ConsulrunError | None = None
     try:
         metrics.refresh(Client(config))
