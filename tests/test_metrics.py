@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import sys
 import time
@@ -119,6 +120,15 @@ def test_bad_listen_address_is_a_usage_error(consul: Agent) -> None:
     code, _, err = export("--listen", "localhost")
     assert code == 2
     assert err.startswith("Error: --listen:") and err.count("\n") == 1
+
+
+def test_busy_listen_address_is_one_line(consul: Agent) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        code, _, err = export("--listen", f"127.0.0.1:{taken.getsockname()[1]}")
+    assert code == 74
+    assert err.startswith("Error: --listen: cannot listen on 127.0.0.1:") and err.count("\n") == 1
 
 
 @pytest.fixture
