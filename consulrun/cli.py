@@ -44,7 +44,7 @@ Exit statuses:
   74  writing output failed
   75  lock lost while the job ran: the job was killed
   77  permission denied by Consul ACLs: nothing was started (`status`: ACLs hide part of the state)
-  127 `run`: the job's command could not be started
+  127 `run`: the job's command could not be started (`on-failure`: its command)
   128+N `run`: signal N arrived while no job was running to receive it
 """
 
@@ -113,7 +113,7 @@ def main() -> None:
               help="Folder to write the units into, or - to print them.")
 @click.option("--check", is_flag=True, help="Change nothing; print a diff and exit 1 if DIR is out of date.")
 @click.option("--templates", type=Folder(),
-              help="Folder with service.j2 and/or timer.j2 overriding the shipped templates.")
+              help="Folder with service.j2, timer.j2 and/or onfailure.j2 overriding the shipped templates.")
 @click.option("--consulrun-path", type=AbsolutePath(), default=_default_consulrun_path, show_default="this consulrun",
               help="Absolute path of consulrun as the units' ExecStart= calls it.")
 def generate(manifest: Path, output: str, check: bool, templates: Path | None, consulrun_path: str) -> None:
@@ -175,12 +175,15 @@ def _read_manifest(manifest: Path) -> tuple["Manifest", str]:
                    "or let a standby run it again (at least once).")
 @click.option("--history", type=click.IntRange(1, 1000), default=20, show_default=True,
               help="With --schedule: how many past occurrences to keep in <prefix>/<JOB>/history/.")
+@click.option("--ping-url", metavar="URL",
+              help="Healthchecks.io-style monitor: URL/start when the job starts here, then URL (exit 0), "
+                   "URL/<status> or URL/fail (lost). A skipping node sends nothing; a failed ping never fails the job.")
 @consul_options
 @click.argument("job")
 @click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
 def run(job: str, command: tuple[str, ...], prefix: str, ttl: int, lock_delay: int, checks: tuple[str, ...],
         wait: int, concurrency: int, skip_exit_code: int, schedules: tuple[str, ...], on_holder_loss: str,
-        history: int, **consul: str | None) -> None:
+        history: int, ping_url: str | None, **consul: str | None) -> None:
     """Run COMMAND for JOB on this node only if this node gets JOB's Consul lock.
 
     \b
@@ -205,6 +208,12 @@ def run(job: str, command: tuple[str, ...], prefix: str, ttl: int, lock_delay: i
         problem = schedule_problem(spec_text)
         if problem:
             raise UsageError(f"--schedule: {problem}")
+    if ping_url is not None:
+        from consulrun.notify import ping_url_problem
+
+        problem = ping_url_problem(ping_url)
+        if problem:
+            raise UsageError(f"--ping-url: {problem}")
     if command and command[0] == "--":
         command = command[1:]
     elif command and command[0].startswith("-"):
@@ -220,7 +229,7 @@ def run(job: str, command: tuple[str, ...], prefix: str, ttl: int, lock_delay: i
                     concurrency=concurrency)
     _setup_logging()
     request = RunRequest(spec=spec, command=command, skip_exit_code=skip_exit_code, schedules=schedules,
-                         on_holder_loss=on_holder_loss, history=history)
+                         on_holder_loss=on_holder_loss, history=history, ping_url=ping_url)
     sys.exit(run_job(request, consul_config(consul)))
 
 
@@ -271,7 +280,8 @@ def _setup_logging() -> None:
 @click.option("--dry-run", is_flag=True, help="Print the diff and the systemctl actions; change nothing.")
 @click.option("--no-start", is_flag=True, help="Enable the timers but do not start them.")
 @click.option("--templates", type=Folder(),
-              help="Folder with service.j2 and/or timer.j2 overriding the shipped templates (sent along with --host).")
+              help="Folder with service.j2, timer.j2 and/or onfailure.j2 overriding the shipped templates "
+                   "(sent along with --host).")
 @click.option("--consulrun-path", type=AbsolutePath(), default=_default_consulrun_path, show_default="this consulrun",
               help="Absolute path of consulrun on the node(s), as units call it.")
 @click.option("--host", "hosts", multiple=True, metavar="NODE",
@@ -746,3 +756,93 @@ def trigger(targets: tuple[str, ...], wait_ms: int, unit: str | None, host: str 
               else f"{record.get('state')}: {record.get('reason', '')}")
     click.echo(f"{job}: manual run on {record.get('node')} started {record.get('started')}: {result}")
     sys.exit(0 if record.get("state") == "done" and record.get("exit_status") == 0 else ExitCode.FAILURE)
+
+@main.command("on-failure", context_settings={"allow_interspersed_args": False})
+@click.option("--unit", required=True, metavar="UNIT", help="The job's service unit, the one that failed.")
+@click.option("--skip-exit-code", type=click.IntRange(0, 255), default=0, show_default=True,
+              help="The job's skip code: a run that exited with it never notifies.")
+@click.argument("job")
+@click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
+def on_failure(job: str, command: tuple[str, ...], unit: str, skip_exit_code: int) -> None:
+    """Run COMMAND because JOB failed, was lost or timed out (what <prefix>-onfailure@JOB.service runs).
+
+    \b
+    consulrun on-failure --unit UNIT JOB -- COMMAND [ARG]...
+
+    COMMAND gets CONSULRUN_JOB, CONSULRUN_NODE, CONSULRUN_UNIT, CONSULRUN_RESULT
+    (systemd's: exit-code, timeout, signal...), CONSULRUN_EXIT_STATUS,
+    CONSULRUN_OCCURRENCE, CONSULRUN_INVOCATION_ID and CONSULRUN_JOURNAL (the
+    run's last journal lines, also on its standard input). Its exit status is
+    passed through.
+    """
+    from consulrun.notify import failure_facts, is_skip, run_on_failure
+
+    if command and command[0] == "--":
+        command = command[1:]
+    if not command:
+        raise UsageError("no command given: consulrun on-failure --unit UNIT JOB -- COMMAND [ARG]...")
+    _setup_logging()
+    facts = failure_facts(job, unit)
+    if is_skip(facts, skip_exit_code):
+        logging.getLogger("consulrun").info("%s: exit status %s is the skip code; not a failure", job, skip_exit_code)
+        return
+    logging.getLogger("consulrun").info("%s: %s (%s, exit status %s, occurrence %s); running the on_failure command",
+                                        job, unit, facts["CONSULRUN_RESULT"] or "?",
+                                        facts["CONSULRUN_EXIT_STATUS"] or "?", facts["CONSULRUN_OCCURRENCE"] or "-")
+    sys.exit(run_on_failure(list(command), facts))
+
+
+EXPORTER_LISTEN = "127.0.0.1:9785"
+
+
+@main.command()
+@click.argument("manifest", required=False, type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--prefix", type=KvPrefix(), default=None,
+              help="KV prefix [default: the manifest's kv_prefix, else consulrun].")
+@click.option("--listen", default=EXPORTER_LISTEN, show_default=True, metavar="HOST:PORT",
+              help="Address to serve /metrics on (:PORT for all addresses, [IPV6]:PORT).")
+@click.option("--textfile", metavar="PATH",
+              help="Write the metrics once to PATH (atomically, for node_exporter's textfile collector), "
+                   "or - for standard output, and exit.")
+@click.option("--grace", type=Duration(), default="60s", show_default=True,
+              help="As for `status`: how late an occurrence may be claimed before it counts as missed.")
+@consul_options
+def exporter(manifest: Path | None, prefix: str | None, listen: str, textfile: str | None, grace: int,
+             **consul: str | None) -> None:
+    """Export every job's state and runs as Prometheus metrics, read from Consul (one exporter per cluster).
+
+    Serves http://HOST:PORT/metrics, following Consul with blocking queries;
+    with --textfile, reads Consul once and writes the metrics. MANIFEST, if
+    given, adds its jobs' schedules and timeouts (missed and overdue) and its
+    `consul:` settings, as for `status`. If Consul cannot be read, the file
+    still gets `consulrun_exporter_consul_up 0` and the exit status says why.
+    """
+    from consulrun.consulapi import Client
+    from consulrun.manifest import load_manifest
+    from consulrun.metrics import ClusterMetrics, exposition, parse_listen, serve, write_textfile
+
+    loaded = load_manifest(manifest) if manifest else None
+    kv_prefix = prefix or (loaded.kv_prefix if loaded else "consulrun")
+    metrics = ClusterMetrics(kv_prefix, loaded, grace_s=grace / 1000)
+    config = consul_config(consul, loaded.consul if loaded else None)
+    _setup_logging()
+    if textfile is None:
+        address = parse_listen(listen)
+        try:
+            serve(metrics, lambda: Client(config), address)
+        except KeyboardInterrupt:
+            sys.exit(130)
+    problem: ConsulrunError | None = None
+    try:
+        metrics.refresh(Client(config))
+    except UsageError:
+        raise
+    except ConsulrunError as exc:
+        metrics.failed(exc, quiet=True)  # the error line says it
+        problem = exc
+    if textfile == "-":
+        click.echo(exposition(metrics).decode(), nl=False)
+    else:
+        write_textfile(metrics, Path(textfile))
+    if problem is not None:
+        raise problem

@@ -15,7 +15,7 @@ from consulrun.consulapi import Client, decoded
 from consulrun.status import NoState, parse_time, probe, seconds_between
 
 FIELDS = ("occurrence", "attempt", "node", "started", "ended", "duration_s", "exit_status", "state", "takeover",
-          "manual", "reason")
+          "manual", "reason", "session")
 
 
 def _row(record: dict[str, Any], **overrides: Any) -> dict[str, Any]:
@@ -46,7 +46,11 @@ def runs(client: Client, prefix: str, job: str, limit: int) -> list[dict[str, An
     if not entries:
         probe(client, base + "occurrence")
         raise NoState(f"job {job!r} has no state under {prefix.strip('/')}/ in Consul (wrong job name or --prefix?)")
-    keys = {e["Key"][len(base):]: e for e in entries}
+    return rows_of({e["Key"][len(base):]: e for e in entries})[:limit]
+
+
+def rows_of(keys: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    """Every run the keys of one job (key below `<prefix>/<job>/` -> KV entry) record, newest first."""
     records: dict[str, dict[str, Any]] = {}
     for key, entry in sorted(keys.items()):
         if key.startswith("history/"):
@@ -65,7 +69,7 @@ def runs(client: Client, prefix: str, job: str, limit: int) -> list[dict[str, An
             rows.append(_row(last, manual=True))  # a run without --schedule: no occurrence record
     rows.sort(key=lambda r: (parse_time(r["started"]) or datetime.min.replace(tzinfo=timezone.utc),
                              r["attempt"] or 0), reverse=True)
-    return rows[:limit]
+    return rows
 
 
 def table(rows: list[dict[str, Any]], now: datetime) -> list[list[str]]:

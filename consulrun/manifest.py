@@ -73,6 +73,8 @@ class Job:
     shell: bool = False
     service_settings: tuple[tuple[str, str], ...] = ()  # extra [Service] lines, in order
     timer_settings: tuple[tuple[str, str], ...] = ()  # extra [Timer] lines, in order
+    on_failure: tuple[str, ...] = ()  # argv run by <unit_prefix>-onfailure@<job>.service (OnFailure=)
+    ping_url: str | None = None
 
 
 @dataclass(frozen=True)
@@ -247,17 +249,18 @@ def _check_representable(problems: _Problems, job: dict[str, Any], jpath: tuple[
     for name in ("working_directory", "environment_file"):
         if isinstance(job.get(name), str):
             checks.append((jpath + (name,), job[name], unitescape.Context.PLAIN))
-    if isinstance(job.get("command"), list):
-        checks += [(jpath + ("command", i), arg, unitescape.Context.EXEC_ARG)
-                   for i, arg in enumerate(job["command"]) if isinstance(arg, str)]
-    elif isinstance(job.get("command"), str) and job.get("shell") is True:
+    if isinstance(job.get("command"), str) and job.get("shell") is True:
         checks.append((jpath + ("command",), job["command"], unitescape.Context.EXEC_ARG))
-    elif isinstance(job.get("command"), str):
-        try:
-            words = shlex.split(job["command"])
-        except ValueError:
-            words = []  # reported when the command is split
-        checks += [(jpath + ("command",), word, unitescape.Context.EXEC_ARG) for word in words]
+    for name in ("command", "on_failure"):
+        if isinstance(job.get(name), list):
+            checks += [(jpath + (name, i), arg, unitescape.Context.EXEC_ARG)
+                       for i, arg in enumerate(job[name]) if isinstance(arg, str)]
+        elif isinstance(job.get(name), str) and not (name == "command" and job.get("shell") is True):
+            try:  # a string is split first; each word must fit ExecStart= too
+                words = shlex.split(job[name])
+            except ValueError:
+                words = []  # reported by _split_command
+            checks += [(jpath + (name,), arg, unitescape.Context.EXEC_ARG) for arg in words]
     if isinstance(job.get("environment"), dict):
         checks += [(jpath + ("environment", k), f"{k}={v}", unitescape.Context.ENV_ASSIGNMENT)
                    for k, v in job["environment"].items() if isinstance(v, (str, int))]
@@ -278,6 +281,9 @@ def _semantic_checks(problems: _Problems, data: dict[str, Any]) -> None:
             parse_address(data["consul"]["address"])
         except AddressError as exc:
             problems.add(("consul", "address"), str(exc))
+    _check_representable(problems, defaults, ("defaults",))  # its on_failure reaches every job's unit
+    if isinstance(defaults.get("on_failure"), str):  # checked even where every job overrides it
+        _split_command(problems, ("defaults", "on_failure"), defaults["on_failure"])
     jobs = data.get("jobs") if isinstance(data.get("jobs"), dict) else {}
     for name, job in jobs.items():
         if not isinstance(job, dict):
@@ -293,6 +299,8 @@ def _semantic_checks(problems: _Problems, data: dict[str, Any]) -> None:
                 problems.add(jpath + ("schedule",) + ((i,) if isinstance(schedules, list) else ()), problem)
         if isinstance(job.get("command"), str) and job.get("shell") is not True:
             _split_command(problems, jpath + ("command",), job["command"])
+        if isinstance(job.get("on_failure"), str):
+            _split_command(problems, jpath + ("on_failure",), job["on_failure"])
         _check_shell(problems, job, jpath)
         _check_settings(problems, job.get("service"), jpath + ("service",), "service")
         _check_representable(problems, job, jpath)
@@ -338,6 +346,14 @@ def _settings(raw: dict[str, Any]) -> tuple[tuple[str, str], ...]:
                  for text in unitsettings.values(raw[name]))
 
 
+def _on_failure(problems: _Problems, name: str, raw: dict[str, Any], defaults: dict[str, Any]) -> tuple[str, ...]:
+    if "on_failure" in raw:
+        return _split_command(problems, ("jobs", name, "on_failure"), raw["on_failure"])
+    if "on_failure" in defaults:
+        return _split_command(problems, ("defaults", "on_failure"), defaults["on_failure"])
+    return ()
+
+
 def _build(source: str, data: dict[str, Any], problems: _Problems) -> Manifest:
     defaults = data.get("defaults", {})
     jobs = []
@@ -362,6 +378,8 @@ def _build(source: str, data: dict[str, Any], problems: _Problems) -> Manifest:
             shell=raw.get("shell", False),
             service_settings=_settings({**defaults.get("service", {}), **raw.get("service", {})}),
             timer_settings=_settings({**defaults.get("timer", {}), **raw.get("timer", {})}),
+            on_failure=_on_failure(problems, name, raw, defaults),
+            ping_url=raw.get("ping_url", defaults.get("ping_url")),
         ))
     return Manifest(
         source=source,

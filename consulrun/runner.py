@@ -25,7 +25,7 @@ from datetime import datetime, timezone
 from types import FrameType
 from typing import Any, Callable
 
-from consulrun import occurrence, testhook
+from consulrun import notify, occurrence, testhook
 from consulrun.child import Job, become_subreaper
 from consulrun.consulapi import Client, ConsulConfig
 from consulrun.errors import ConsulrunError, ConsulUnavailable, ExitCode, JobNotStarted, UsageError
@@ -45,6 +45,7 @@ class RunRequest:
     schedules: tuple[str, ...] = ()  # with schedules, each occurrence runs once (occurrence.py)
     on_holder_loss: str = "skip"
     history: int = 20
+    ping_url: str | None = None  # Healthchecks.io-style monitor (notify.py)
 
 
 class _Signals:
@@ -253,6 +254,7 @@ def _run_held(request: RunRequest, locker: Locker, held: Held, fencing: Fencing,
     job: Job | None = None
     outcome: dict[str, Any] = {}
     status: int = ExitCode.SOFTWARE
+    pings = notify.Pings(request.ping_url, spec.job)
     try:
         testhook.pause("acquired", lambda: bool(signals.received))
         if signals.received:
@@ -277,6 +279,7 @@ def _run_held(request: RunRequest, locker: Locker, held: Held, fencing: Fencing,
             signal.pthread_sigmask(signal.SIG_UNBLOCK, FORWARDED)
         signals.forward_pending()
         watcher.start()  # if it cannot start, the except below kills the job before anything is released
+        pings.start()
         testhook.pause("started")
         testhook.fail("started")
         status, lost = _supervise(job, watcher, fencing, signals, spec.job)
@@ -312,6 +315,7 @@ def _run_held(request: RunRequest, locker: Locker, held: Held, fencing: Fencing,
                    stop_budget_s=fencing.kill_by_s - fencing.grace_s)
         else:
             locker.session = None  # never destroy it: the lock must outlive the job's processes
+        pings.finish(outcome)  # last: a slow monitor never delays killing the job or releasing the lock
 
 
 class NotConfirmed(Exception):

@@ -271,10 +271,13 @@ def test_readme_first_command_shows_units_with_their_file_names(tmp_path: Path) 
     assert result.returncode == 0, result.stderr
     names = [line for line in result.stdout.splitlines() if line.startswith("==> ")]
     assert names == [f"==> units/{n} <==" for n in ("consulrun-billing-report.service", "consulrun-billing-report.timer",
-                                                   "consulrun-cache-warm.service", "consulrun-cache-warm.timer")]
+                                                   "consulrun-cache-warm.service", "consulrun-cache-warm.timer",
+                                                   "consulrun-onfailure@billing-report.service",
+                                                   "consulrun-onfailure@cache-warm.service")]
     # As README says: the units call this venv's consulrun, by absolute path, unless --consulrun-path is given.
     execs = [line for line in result.stdout.splitlines() if line.startswith("ExecStart=")]
-    assert execs and all(line.startswith(f"ExecStart={consulrun} run ") for line in execs)
+    assert execs and all(line.startswith((f"ExecStart={consulrun} run ", f"ExecStart={consulrun} on-failure "))
+                         for line in execs)
     assert "the consulrun of this venv" in README.replace("\n", " ")
 
 

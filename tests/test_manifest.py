@@ -170,13 +170,15 @@ FULL = {
     "defaults": {"lock": {"ttl": "20s", "lock_delay": "10s", "wait": "0s", "concurrency": 1, "skip_exit_code": 0,
                           "checks": ["mem-ok"]},
                  "timer": {"accuracy": "5s", "randomized_delay": "1s", "persistent": True},
-                 "on_holder_loss": "skip", "history": 20},
+                 "on_holder_loss": "skip", "history": 20, "on_failure": "/usr/bin/logger failed",
+                 "ping_url": "https://hc-ping.com/x"},
     "jobs": {"a": {"command": ["/bin/true", "x"], "schedule": ["daily"], "description": "A job", "user": "root",
                    "group": "adm", "working_directory": "/srv", "environment": {"K": "v"},
                    "environment_file": "-/etc/env", "timeout": "1h", "on_holder_loss": "retry", "history": 5,
                    "lock": {"ttl": "30s", "lock_delay": "15s", "wait": "1m", "concurrency": 2, "skip_exit_code": 3,
                             "checks": ["serfHealth"]},
-                   "timer": {"accuracy": "1s", "randomized_delay": "2m", "persistent": False}}},
+                   "timer": {"accuracy": "1s", "randomized_delay": "2m", "persistent": False},
+                   "on_failure": ["/bin/sh", "-c", "echo $CONSULRUN_JOB"], "ping_url": "http://[::1]:8000/ping/a"}},
 }
 DURATIONS = {"ttl", "lock_delay", "wait", "accuracy", "randomized_delay", "timeout"}
 OUT_OF_RANGE = {"ttl": ["9s", 86401, "2x"], "lock_delay": ["4s", "61s", 0, "1 sex"], "wait": [-1, "367d", "2y"],
@@ -186,7 +188,8 @@ OUT_OF_RANGE = {"ttl": ["9s", 86401, "2x"], "lock_delay": ["4s", "61s", 0, "1 se
                 "address": ["h:0", "h:99999", ":abc", "::1", "ftp://h"], "user": ["1root", "a b"],
                 "on_holder_loss": ["maybe"], "command": ["", [], "'unclosed"], "schedule": [[], "", "Mars 25:00"],
                 "description": ["x" * 600, "two\nlines"], "working_directory": ["srv", "/a\x01"],
-                "tls_server_name": ["a b"], "checks": [[""], ["a b"]]}
+                "tls_server_name": ["a b"], "checks": [[""], ["a b"]],
+                "on_failure": ["", [], "'unclosed", ["a\x00"]], "ping_url": ["ftp://x/y", "https://x/y?z=1", "a b", ""]}
 WRONG_TYPES = [True, None, 1.5, {"k": "v"}, [{}], "text", 7, ["text"]]
 
 
@@ -197,7 +200,7 @@ def _accepts(path: tuple, value: object) -> bool:
     kinds = {type(original)}
     if name in DURATIONS:
         kinds = {str, int}
-    elif name in ("command", "schedule"):
+    elif name in ("command", "schedule", "on_failure"):
         kinds = {str, list}
     elif parent == "environment":
         kinds = {str, int}

@@ -49,7 +49,7 @@ def test_wheel_ships_templates_and_renders_from_installed_copy(tmp_path: Path) -
     where = subprocess.run([str(py), "-c", "from consulrun.render import shipped_templates; print(shipped_templates())"],
                            cwd=tmp_path, capture_output=True, text=True, check=True).stdout.strip()
     assert where.startswith(str(env_dir)), where
-    assert sorted(p.name for p in Path(where).iterdir()) == ["service.j2", "timer.j2"]
+    assert sorted(p.name for p in Path(where).iterdir()) == ["onfailure.j2", "service.j2", "timer.j2"]
     out = tmp_path / "units"
     result = subprocess.run([str(env_dir / "bin" / "consulrun"), "generate", str(REPO / "examples" / "jobs.yaml"),
                              "-o", str(out)], cwd=tmp_path, capture_output=True, text=True)
@@ -77,4 +77,5 @@ def test_readme_first_command_works_on_a_fresh_copy(tmp_path: Path) -> None:
     assert "[Timer]\nOnCalendar=*-*-* 02:00:00\n" in result.stdout
     assert sorted(p.name for p in (copy / "units").iterdir()) == [
         "consulrun-billing-report.service", "consulrun-billing-report.timer",
-        "consulrun-cache-warm.service", "consulrun-cache-warm.timer"]
+        "consulrun-cache-warm.service", "consulrun-cache-warm.timer",
+        "consulrun-onfailure@billing-report.service", "consulrun-onfailure@cache-warm.service"]

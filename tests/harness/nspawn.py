@@ -20,7 +20,8 @@ CGROUP_ROOTS = [Path("/sys/fs/cgroup/systemd"), Path("/sys/fs/cgroup/unified")]
 MASKED = ["postgresql.service", "postgresql@.service", "apt-daily.timer", "apt-daily-upgrade.timer",
           "man-db.timer", "e2scrub_all.timer", "fstrim.timer", "dpkg-db-backup.timer", "e2scrub_reap.service",
           "systemd-timesyncd.service", "console-getty.service", "getty@.service", "avahi-daemon.service",
-          "avahi-daemon.socket", "cron.service", "exim4.service", "rsync.service"]
+          "avahi-daemon.socket", "cron.service", "exim4.service", "rsync.service",
+          "prometheus.service"]  # installed for the exporter tests; enabled by its package, never wanted in a container
 
 
 def _cgroup_dirs(name: str) -> list[Path]:

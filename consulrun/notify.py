@@ -1,0 +1,177 @@
+"""Telling monitors about a run: Healthchecks.io-style pings, and the `on_failure` command systemd starts.
+
+Pings go out from one background thread per run, in order (`/start` is never
+overtaken by the result), each with a short timeout. Nothing here can delay
+or fail the job: a ping that fails is logged and dropped, and at exit the
+wrapper waits for an unsent ping at most PING_TIMEOUT_S, however the network
+behaves (a hanging DNS lookup included: the thread is a daemon, the wait is
+bounded by a join).
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import queue
+import re
+import socket
+import subprocess
+import threading
+import time
+import urllib.error
+import urllib.request
+from typing import Any
+
+log = logging.getLogger("consulrun")
+
+PING_TIMEOUT_S = 5.0
+PING_URL_RE = re.compile(r"https?://[^\s/?#]+(/[^\s?#]*)?")  # no query or fragment: suffixes are appended to the path
+
+
+def ping_url_problem(url: str) -> str | None:
+    """None if `url` can take Healthchecks.io's suffixes (`/start`, `/fail`, `/<status>`), else why not."""
+    if len(url) > 2048:
+        return "ping URL is too long: at most 2048 characters"
+    if not PING_URL_RE.fullmatch(url):
+        return (f"{url[:80]!r} is not a ping URL: http:// or https://, no whitespace, no query or fragment "
+                "(consulrun appends /start, /fail or /<exit status>)")
+    return None
+
+
+def result_suffix(outcome: dict[str, Any]) -> str:
+    """'' for a run that exited 0, `/<status>` for another exit status, `/fail` for a run lost or never started."""
+    status = outcome.get("exit_status")
+    if outcome.get("lost") or not isinstance(status, int):
+        return "/fail"
+    return "" if status == 0 else f"/{status}"
+
+
+class Pings:
+    """The pings of one run: `start()` when the job has started, `finish(outcome)` when it is over."""
+
+    def __init__(self, url: str | None, job: str, timeout_s: float = PING_TIMEOUT_S) -> None:
+        self.url = url.rstrip("/") if url else None
+        self.job = job
+        self.timeout_s = timeout_s
+        self._queue: queue.Queue[str | None] = queue.Queue()
+        self._thread: threading.Thread | None = None
+        self._finished = False
+        self._sending: str | None = None  # the URL being requested now, for the exit-time warning
+
+    def start(self) -> None:
+        self._send("/start")
+
+    def finish(self, outcome: dict[str, Any]) -> None:
+        if self._finished:
+            return
+        self._finished = True
+        self._send(result_suffix(outcome))
+        if self._thread is not None:
+            self._queue.put(None)
+            atexit.register(self._wait, time.monotonic() + self.timeout_s)
+
+    def _wait(self, give_up: float) -> None:
+        """At exit: give the last pings until `give_up`, then leave them (the daemon thread dies with us)."""
+        thread = self._thread
+        if thread is None:
+            return
+        thread.join(max(0.0, give_up - time.monotonic()))
+        if thread.is_alive():
+            sending = self._sending
+            log.warning("%s: ping %s failed: no answer within %.0fs; not waiting longer", self.job,
+                        _redacted(sending) if sending else "(queued)", self.timeout_s)
+
+    def _send(self, suffix: str) -> None:
+        if not self.url:
+            return
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._worker, name="consulrun-ping", daemon=True)
+            self._thread.start()
+        self._queue.put(self.url + suffix)
+
+    def _worker(self) -> None:
+        while True:
+            url = self._queue.get()
+            if url is None:
+                return
+            self._sending = url
+            try:
+                request = urllib.request.Request(url, headers={"User-Agent": "consulrun"})
+                with urllib.request.urlopen(request, timeout=self.timeout_s) as response:  # noqa: S310 - http(s) only
+                    response.read(1024)
+            except (urllib.error.URLError, OSError, ValueError) as exc:
+                log.warning("%s: ping %s failed: %s", self.job, _redacted(url), getattr(exc, "reason", exc))
+
+
+def _redacted(url: str) -> str:
+    """A ping URL for the log: the host and the suffix, not the check's secret path."""
+    scheme, _, rest = url.partition("://")
+    host, _, path = rest.partition("/")
+    last = path.rsplit("/", 1)[-1] if "/" in path else ""
+    shown = last if last in ("start", "fail") or last.isdigit() else ""
+    return f"{scheme}://{host}/...{'/' + shown if shown else ''}"
+
+
+# --- on_failure: what systemd's OnFailure= unit runs -------------------------------------------------------------
+
+JOURNAL_LINES = 20
+OCCURRENCE_RE = re.compile(r"for occurrence (\S+)")
+
+
+def failure_facts(job: str, unit: str, env: dict[str, str] | None = None) -> dict[str, str]:
+    """What the on_failure command is told: job, node, unit, result, exit status, occurrence, journal lines.
+
+    systemd (251 and later) hands an OnFailure= unit the failed unit's result,
+    exit status and invocation id in MONITOR_* variables; the run's own
+    journal lines are found by that invocation id.
+    """
+    env = dict(os.environ if env is None else env)
+    invocation = env.get("MONITOR_INVOCATION_ID", "")
+    result = env.get("MONITOR_SERVICE_RESULT", "")
+    status = env.get("MONITOR_EXIT_STATUS", "")
+    if not (invocation and result):  # older systemd: ask it about the failed unit
+        shown = _systemctl_show(unit, ["InvocationID", "Result", "ExecMainStatus"])
+        invocation = invocation or shown.get("InvocationID", "")
+        result = result or shown.get("Result", "")
+        status = status or shown.get("ExecMainStatus", "")
+    journal = _journal(invocation, unit)
+    found = OCCURRENCE_RE.findall(journal)
+    return {"CONSULRUN_JOB": job, "CONSULRUN_NODE": socket.gethostname(), "CONSULRUN_UNIT": unit,
+            "CONSULRUN_RESULT": result, "CONSULRUN_EXIT_STATUS": status, "CONSULRUN_INVOCATION_ID": invocation,
+            "CONSULRUN_OCCURRENCE": found[-1] if found else "", "CONSULRUN_JOURNAL": journal}
+
+
+def _systemctl_show(unit: str, props: list[str]) -> dict[str, str]:
+    try:
+        out = subprocess.run(["systemctl", "show", unit, *[f"--property={p}" for p in props]], capture_output=True,
+                             text=True, timeout=10).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return {}
+    return dict(line.split("=", 1) for line in out.splitlines() if "=" in line)
+
+
+def _journal(invocation: str, unit: str) -> str:
+    match = [f"_SYSTEMD_INVOCATION_ID={invocation}"] if invocation else ["-u", unit]
+    try:
+        out = subprocess.run(["journalctl", "--no-pager", "-q", "-o", "cat", "-n", str(JOURNAL_LINES), *match],
+                             capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+    return out.rstrip("\n")
+
+
+def is_skip(facts: dict[str, str], skip_exit_code: int) -> bool:
+    """A skip is never a failure (systemd already counts the skip code as success; this holds if it did not)."""
+    return facts["CONSULRUN_RESULT"] == "exit-code" and facts["CONSULRUN_EXIT_STATUS"] == str(skip_exit_code)
+
+
+def run_on_failure(command: list[str], facts: dict[str, str]) -> int:
+    """Run the manifest's on_failure command with the facts in its environment and the journal on stdin."""
+    try:
+        done = subprocess.run(command, input=facts["CONSULRUN_JOURNAL"] + "\n", text=True,
+                              env={**os.environ, **facts})
+    except OSError as exc:
+        log.error("%s: on_failure: cannot start %s: %s", facts["CONSULRUN_JOB"], command[0], exc.strerror or exc)
+        return 127
+    return done.returncode

@@ -1,0 +1,113 @@
+"""Healthchecks.io-style pings from `consulrun run --ping-url`, against a real HTTP server on loopback."""
+
+from __future__ import annotations
+
+import http.server
+import socket
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from consulrun.notify import ping_url_problem, result_suffix
+from tests.harness.agents import Agent, wait_for
+from tests.test_run import SKIP, consulrun, finish
+
+
+class _Recorder(http.server.BaseHTTPRequestHandler):
+    def do_GET(self) -> None:  # noqa: N802 - the http.server hook's name
+        self.server.paths.append(self.path)  # type: ignore[attr-defined]
+        self.send_response(200)
+        self.send_header("Content-Length", "2")
+        self.end_headers()
+        self.wfile.write(b"OK")
+
+    do_POST = do_HEAD = do_GET  # noqa: N815
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.fixture
+def monitor() -> Iterator[tuple[str, list[str]]]:
+    """A Healthchecks.io stand-in on loopback: (base URL of one check, the paths requested, in order)."""
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Recorder)
+    server.paths = []  # type: ignore[attr-defined]
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}/ping/c0ffee", server.paths  # type: ignore[attr-defined]
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_runner_pings_start_then_success(consul: Agent, monitor: tuple[str, list[str]]) -> None:
+    url, paths = monitor
+    code, _, err = finish(consulrun("run", "--ping-url", url, "pinged", "--", "true"))
+    assert code == 0, err
+    assert paths == ["/ping/c0ffee/start", "/ping/c0ffee"]
+
+
+def test_failing_job_pings_its_exit_status(consul: Agent, monitor: tuple[str, list[str]]) -> None:
+    url, paths = monitor
+    code, _, err = finish(consulrun("run", "--ping-url", url + "/", "failing", "--", "sh", "-c", "exit 3"))
+    assert code == 3, err
+    assert paths == ["/ping/c0ffee/start", "/ping/c0ffee/3"]
+
+
+def test_lost_run_pings_fail(consul: Agent, monitor: tuple[str, list[str]], tmp_path: Path) -> None:
+    url, paths = monitor
+    started = tmp_path / "started"
+    holder = consulrun("run", "--ping-url", url, "fenced", "--", "sh", "-c", f"touch {started}; exec sleep 300")
+    wait_for(started.exists, 20, "the job to start")
+    session = consul.get("kv/consulrun/fenced/lock")[0]["Session"]
+    consul.api("PUT", f"session/destroy/{session}")
+    code, _, err = finish(holder, timeout=30)
+    assert code == 75, err
+    assert paths == ["/ping/c0ffee/start", "/ping/c0ffee/fail"]
+
+
+def test_skipping_node_pings_nothing(consul: Agent, monitor: tuple[str, list[str]], tmp_path: Path) -> None:
+    url, paths = monitor
+    started, release = tmp_path / "started", tmp_path / "release"
+    holder = consulrun("run", "busy", "--", "sh", "-c", f"touch {started}; while [ ! -e {release} ]; do sleep 0.05; done")
+    try:
+        wait_for(started.exists, 20, "the holder's job to start")
+        code, _, err = finish(consulrun("run", "--skip-exit-code", str(SKIP), "--ping-url", url, "busy", "--", "true"))
+        assert code == SKIP, err
+        assert "skipped:" in err
+    finally:
+        release.touch()
+        finish(holder)
+    assert paths == []
+
+
+def test_unanswering_monitor_neither_fails_nor_holds_the_job(consul: Agent, tmp_path: Path) -> None:
+    """A monitor that accepts connections and never answers: the job runs and its status passes through."""
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)  # never accepted: every request times out
+        ran = tmp_path / "ran"
+        code, _, err = finish(consulrun("run", "--ping-url", f"http://127.0.0.1:{silent.getsockname()[1]}/x", "slowmon",
+                                        "--", "sh", "-c", f"touch {ran}; exit 4"), timeout=60)
+    assert code == 4, err
+    assert ran.exists()
+    assert "ping http://127.0.0.1:" in err and "failed" in err
+    assert "/x" not in err  # the check's path (its secret) is not logged
+
+
+@pytest.mark.parametrize("outcome, suffix", [({"exit_status": 0}, ""), ({"exit_status": 2}, "/2"),
+                                              ({"exit_status": 75, "lost": "fenced"}, "/fail"),
+                                              ({"lost": "SIGTERM before the job started"}, "/fail"), ({}, "/fail")])
+def test_result_suffix(outcome: dict, suffix: str) -> None:
+    assert result_suffix(outcome) == suffix
+
+
+@pytest.mark.parametrize("url, ok", [("https://hc-ping.com/0f2b6e3c-1d2a-4c8e-9b7e-2f1d0a9c8b7e", True),
+                                     ("http://[::1]:8000/ping/x", True), ("http://mon.example", True),
+                                     ("ftp://x/y", False), ("https://x/y?z=1", False), ("https://x/a b", False),
+                                     ("hc-ping.com/uuid", False), ("https://x/" + "a" * 2100, False)])
+def test_ping_url_rule(url: str, ok: bool) -> None:
+    assert (ping_url_problem(url) is None) is ok

@@ -1,0 +1,107 @@
+"""`on_failure:` through systemd's own OnFailure=, in a booted systemd container with a Consul agent."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+
+import pytest
+
+from tests.harness.agents import wait_for
+from tests.harness.netns import Network
+from tests.harness.nspawn import Container
+from tests.test_install import CONSULRUN, boot, install, manifest, start_agent
+
+pytestmark = [pytest.mark.systemd, pytest.mark.consul]
+
+# What the on_failure command saw: its CONSULRUN_* variables and its standard input, as JSON in /shared.
+RECORD = ("import json, os, sys; facts = {k: v for k, v in os.environ.items() if k.startswith('CONSULRUN_')}; "
+          "facts['stdin'] = sys.stdin.read(); path = '/shared/failed-' + os.environ['CONSULRUN_JOB']; "
+          "json.dump(facts, open(path + '.tmp', 'w')); os.rename(path + '.tmp', path)")
+SKIP = 42
+
+
+@pytest.fixture(scope="module")
+def node(consul_bin: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Container]:
+    """One booted node with its own Consul dev agent and the jobs below installed (timers not started)."""
+    network = Network(1, subnet="10.213.86.0/24", tag="f").up()
+    workdir = tmp_path_factory.mktemp("onfailure")
+    ctr = agent = None
+    try:
+        ctr = boot(f"crf{os.getpid() % 100000}", workdir, network.namespace(0))
+        agent = start_agent(ctr, consul_bin, "solo", ["-dev", "-client", "127.0.0.1", "-bind", "127.0.0.1"],
+                            workdir / "consul.log")
+        _install_jobs(ctr)
+        yield ctr
+    finally:
+        if agent:
+            agent.terminate()
+            agent.wait(timeout=20)
+        if ctr:
+            ctr.stop()
+        network.down()
+
+
+def _install_jobs(ctr: Container) -> None:
+    jobs = {
+        "failing": {"command": ["sh", "-c", "echo boom on $CONSULRUN_OCCURRENCE; exit 3"]},
+        "slow": {"command": ["sleep", "600"], "timeout": "2s"},
+        "fenced": {"command": ["sh", "-c", "touch /shared/fenced-started; exec sleep 600"]},
+        "skipper": {"command": ["true"], "lock": {"skip_exit_code": SKIP}},
+        "fine": {"command": ["true"], "on_failure": ["sh", "-c", "touch /shared/fine-notified"]},
+    }
+    for job in jobs.values():
+        job["schedule"] = "*-*-* 00:00:00"  # today's midnight is the occurrence; the timer never fires in the test
+    text = manifest(jobs, defaults={"lock": {"ttl": "10s", "lock_delay": "5s"}, "timer": {"accuracy": "1s"},
+                                    "on_failure": ["/usr/bin/python3", "-c", RECORD]})
+    result = install(ctr, text, "--no-start")
+    assert result.returncode == 0, result.stderr
+
+
+def notified(node: Container, job: str) -> dict:
+    path = node.shared / f"failed-{job}"
+    return wait_for(lambda: path.exists() and json.loads(path.read_text()), 60, f"the on_failure command of {job}")
+
+
+def test_failed_job_runs_on_failure_with_what_happened(node: Container) -> None:
+    assert node.systemctl("start", "consulrun-failing.service", check=False).returncode != 0
+    facts = notified(node, "failing")
+    assert facts["CONSULRUN_JOB"] == "failing"
+    assert facts["CONSULRUN_UNIT"] == "consulrun-failing.service"
+    assert (facts["CONSULRUN_RESULT"], facts["CONSULRUN_EXIT_STATUS"]) == ("exit-code", "3")
+    assert facts["CONSULRUN_NODE"] == node.name
+    assert facts["CONSULRUN_OCCURRENCE"].endswith("T00:00:00Z")
+    assert facts["CONSULRUN_INVOCATION_ID"] == node.systemctl(
+        "show", "-P", "InvocationID", "consulrun-failing.service").stdout.strip()
+    assert f"boom on {facts['CONSULRUN_OCCURRENCE']}" in facts["CONSULRUN_JOURNAL"]
+    assert "job exited with status 3" in facts["CONSULRUN_JOURNAL"]
+    assert facts["stdin"] == facts["CONSULRUN_JOURNAL"] + "\n"
+
+
+def test_timed_out_job_notifies(node: Container) -> None:
+    assert node.systemctl("start", "consulrun-slow.service", check=False).returncode != 0
+    facts = notified(node, "slow")
+    assert facts["CONSULRUN_RESULT"] == "timeout"
+
+
+def test_lost_job_notifies(node: Container) -> None:
+    node.systemctl("start", "--no-block", "consulrun-fenced.service")
+    wait_for(lambda: (node.shared / "fenced-started").exists(), 30, "the fenced job to start")
+    node.exec(CONSULRUN, "unlock", "fenced", "--yes", "--force")
+    facts = notified(node, "fenced")
+    assert (facts["CONSULRUN_RESULT"], facts["CONSULRUN_EXIT_STATUS"]) == ("exit-code", "75")
+    assert "lock lost" in facts["CONSULRUN_JOURNAL"]
+
+
+def test_success_and_skip_never_notify(node: Container) -> None:
+    assert node.systemctl("start", "consulrun-fine.service").returncode == 0
+    assert node.systemctl("start", "consulrun-skipper.service").returncode == 0  # runs today's occurrence
+    assert node.systemctl("start", "consulrun-skipper.service").returncode == 0  # already done: skips with 42
+    assert node.systemctl("show", "-P", "ExecMainStatus", "consulrun-skipper.service").stdout.strip() == str(SKIP)
+    # OnFailure= is queued by the unit's own transition to failed; both units ended without one.
+    for job in ("fine", "skipper"):
+        assert node.systemctl("show", "-P", "Result", f"consulrun-{job}.service").stdout.strip() == "success"
+        assert node.systemctl("show", "-P", "InvocationID", f"consulrun-onfailure@{job}.service").stdout.strip() == ""
+    assert not (node.shared / "fine-notified").exists()
+    assert not (node.shared / "failed-skipper").exists()
