@@ -97,7 +97,7 @@ def load_runs(path: Path) -> tuple[dict[str, list[Run]], list[dict[str, Any]]]:
     timer_events: list[dict[str, Any]] = []
     for line in read(path):
         event = line["ev"]
-        if event in ("fire", "busy", "exit"):
+        if event in ("fire", "busy", "exit", "stop-post"):
             timer_events.append(line)
             continue
         job, pid, token, t = line["job"], line["pid"], line.get("token", 0), line["t"]

@@ -81,6 +81,22 @@ def descendants(pid: int) -> list[int]:
     return found
 
 
+def _in_session(sid: int) -> list[int]:
+    """Live processes of session `sid` (a wrapper started with start_new_session leads its own)."""
+    found = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat", "rb") as handle:
+                fields = handle.read().rsplit(b")", 1)[1].split()
+        except OSError:
+            continue
+        if fields[0] != b"Z" and int(fields[3]) == sid:
+            found.append(int(name))
+    return found
+
+
 def signal_all(pids: list[int], signum: int) -> None:
     for pid in pids:
         try:
@@ -218,6 +234,33 @@ class Fleet:
             self.history.emit("exit", node=wrapper.node, job=wrapper.job, sched=wrapper.sched,
                               wrapper=wrapper.process.pid, status=status_of(wrapper.process.returncode),
                               ran=round(time.time() - wrapper.started, 3), last=(lines[-1][:300] if lines else ""))
+            if status_of(wrapper.process.returncode) != 0:
+                thread = threading.Thread(target=self._stop_unit, args=(wrapper,), daemon=True)
+                thread.start()
+                self.threads.append(thread)
+
+    def _stop_unit(self, wrapper: Wrapper) -> None:
+        """What systemd does when a unit's run ends other than cleanly, as the generated units ask it to.
+
+        KillMode=control-group: every process left in the unit (here: the wrapper's session) gets SIGTERM,
+        then SIGKILL after TimeoutStopSec= (lock-delay - 1 s); then ExecStopPost= runs `consulrun reap`, which
+        destroys a dead wrapper's session at once instead of leaving it to its TTL.
+        """
+        left = _in_session(wrapper.process.pid)
+        signal_all(left, signal.SIGTERM)
+        deadline = time.monotonic() + self.lock.lock_delay_s - 1
+        while left and time.monotonic() < deadline:
+            time.sleep(0.05)
+            left = _in_session(wrapper.process.pid)
+        signal_all(left, signal.SIGKILL)
+        agent = next(a for a in self.clients if a.name == wrapper.node)
+        cmd = ["ip", "netns", "exec", str(agent.netns), sys.executable, "-m", "consulrun", "reap", "--prefix",
+               self.lock.prefix, wrapper.job]
+        with wrapper.stderr.open("ab") as err:
+            done = subprocess.run(cmd, env=self._environment(0.0), stdin=subprocess.DEVNULL, stdout=err, stderr=err,
+                                  timeout=60, check=False)
+        self.history.emit("stop-post", node=wrapper.node, job=wrapper.job, sched=wrapper.sched,
+                          wrapper=wrapper.process.pid, status=done.returncode)
 
     def drain(self, timeout: float) -> bool:
         """Wait for every wrapper to end by itself; True if they all did within `timeout`."""
