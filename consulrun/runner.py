@@ -402,7 +402,9 @@ def _close(locker: Locker, held: Held, ledger: occurrence.Ledger | None, claim: 
                 log.warning("%s: Consul cannot record the result yet (%s); retrying for up to %.0fs", job, exc,
                             give_up - clock())
             time.sleep(backoff)
-            backoff = min(backoff * 2, 4.0)
+            # At most a second apart: once the agent is back, the result must land before a standby's takeover,
+            # which lock-delay holds back only so long.
+            backoff = min(backoff * 2, 1.0)
         except ConsulrunError as exc:
             log.warning("%s: could not record the result or release %s (%s); the session's invalidation will "
                         "free it", job, held.key, exc.message)
