@@ -261,6 +261,14 @@ def reap(job: str, prefix: str, concurrency: int, **consul: str | None) -> None:
     locker.reap_dead_holder(entries)
 
 
+def _interruptible() -> None:
+    """Ctrl-C (SIGINT) ends a long-running command even when its parent started it with SIGINT ignored
+    (a background job of a non-interactive shell): asked for interactively, it must stop when asked to."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
 def _setup_logging() -> None:
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("consulrun: %(message)s"))
@@ -484,6 +492,7 @@ def _watch_status(make_client, kv_prefix: str, loaded, jobs: tuple[str, ...], as
 
     from consulrun import status as state
 
+    _interruptible()
     index: int | None = None
     delay = 1.0
     refreshed = "never"
@@ -828,6 +837,7 @@ def exporter(manifest: Path | None, prefix: str | None, listen: str, textfile: s
     _setup_logging()
     if textfile is None:
         address = parse_listen(listen)
+        _interruptible()
         try:
             serve(metrics, lambda: Client(config), address)
         except KeyboardInterrupt:

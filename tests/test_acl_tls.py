@@ -58,7 +58,7 @@ def _policy(prefix: str, service_read: bool) -> str:
     ([], "consulrun/", False),
     ([str(REPO / "examples" / "jobs.yaml")], "consulrun/", False),
     ([str(REPO / "tests" / "golden" / "tls-and-checks" / "manifest.yaml")], "ops/cron/", True),
-    (["--prefix", "/team/jobs/"], "team/jobs/", False),
+    (["--prefix", "team/jobs"], "team/jobs/", False),
 ], ids=["no-manifest", "example", "service-checks", "prefix"])
 def test_acl_policy_is_exactly_the_documented_policy(args: list[str], prefix: str, service_read: bool) -> None:
     result = CliRunner().invoke(main, ["acl-policy", *args])
