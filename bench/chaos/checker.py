@@ -260,6 +260,18 @@ def check(out: Path) -> dict[str, Any]:
                 takeovers.append(after[0].start - run.last)
             else:
                 not_taken_over += 1
+        # A wrapper killed between its acquisition and its job's first line left no run: count from the kill.
+        logged = {r.wrapper for r in runs}
+        fired = {e["wrapper"]: e["sched"] for e in fires if e["ev"] == "fire"}
+        for fault in faults:
+            killed = fault.line.get("wrapper")
+            if policy != "retry" or fault.kind != "wrapper-kill" or killed in logged or killed not in fired:
+                continue
+            after = [r for r in by_occ.get(fired[killed], []) if r.start > fault.start]
+            if after:
+                takeovers.append(after[0].start - fault.start)
+            else:
+                not_taken_over += 1
         entry["takeover_latency_s"] = percentiles(takeovers)
         entry["died_not_taken_over"] = not_taken_over
         report["jobs"][job] = entry
