@@ -197,7 +197,12 @@ def check(out: Path) -> dict[str, Any]:
         else:
             entry["completed_twice"] = [{"occurrence": occ, "runs": [_describe(r) for r in rs]}
                                         for occ, rs in completed_twice.items()]
-            lost, lost_no_healthy = [], []
+            lost, lost_no_healthy, lost_repeated = [], [], []
+            attempts_killed = Counter(r.occ for r in runs if not r.ended)
+            logged = {r.wrapper for r in runs}
+            fired = {e["wrapper"]: e["sched"] for e in fires if e["ev"] == "fire"}
+            attempts_killed.update(fired[f.line["wrapper"]] for f in faults if f.kind == "wrapper-kill"
+                                   and f.line.get("wrapper") in fired and f.line["wrapper"] not in logged)
             for occ in occurrences:
                 if any(r.ended for r in by_occ.get(occ, [])):
                     continue
@@ -213,9 +218,16 @@ def check(out: Path) -> dict[str, Any]:
                         "wrappers": [{k: e.get(k) for k in ("ev", "node", "status", "ran", "last")}
                                      for e in fires if e["sched"] == occ and e["ev"] in ("exit", "busy")],
                         "evidence": [ln for r in by_occ.get(occ, []) for ln in r.lines]}
-                (lost if healthy else lost_no_healthy).append(item)
+                item["attempts_killed"] = attempts_killed[occ]
+                if not healthy:
+                    lost_no_healthy.append(item)
+                elif attempts_killed[occ] >= 2:  # the condition allows for one holder death per occurrence
+                    lost_repeated.append(item)
+                else:
+                    lost.append(item)
             entry["lost_with_healthy_node"] = lost
             entry["lost_without_healthy_node"] = len(lost_no_healthy)
+            entry["lost_after_repeated_holder_deaths"] = lost_repeated
             if spec.get("condition_holds"):
                 for item in lost:
                     report["violations"].append({"kind": "lost under retry", "job": job, **item})
@@ -322,7 +334,11 @@ def markdown(report: dict[str, Any]) -> str:
     for job, e in report["jobs"].items():
         stale = sum(o["stale_writes"] for o in e["pause_overlaps"])
         rejected = sum(o["stale_writes_rejected_by_token"] for o in e["pause_overlaps"])
-        lost = len(e.get("lost_with_healthy_node", [])) if e["policy"] == "retry" else "n/a"
+        lost: object = "n/a"
+        if e["policy"] == "retry":
+            lost = len(e["lost_with_healthy_node"])
+            if e["lost_after_repeated_holder_deaths"]:
+                lost = f"{lost} (+{len(e['lost_after_repeated_holder_deaths'])} after 2+ holder deaths)"
         if e["policy"] == "retry" and not e.get("retry_condition_holds"):
             lost = f"{lost} (condition does not hold)"
         statuses = ", ".join(f"{k}: {v}" for k, v in e["wrapper_exit_statuses"].items())
