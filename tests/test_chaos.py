@@ -20,6 +20,7 @@ import pytest
 
 from bench.chaos.checker import check
 from tests.conftest import artifact_dir, require_tool
+from tests.harness.agents import wait_for
 
 REPO = Path(__file__).resolve().parents[1]
 OCC = ["2030-01-01T00:00:00Z", "2030-01-01T00:00:05Z", "2030-01-01T00:00:10Z"]
@@ -146,3 +147,41 @@ def test_short_chaos_run_keeps_the_guarantees(consul_bin: str, tmp_path: Path, r
         shutil.copytree(out, dest / "chaos", dirs_exist_ok=True)
         (dest / "runner.stderr").write_text(stderr)
         raise
+
+
+def _processes_mentioning(text: str) -> list[str]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if text in cmdline:
+            found.append(f"{entry.name}: {cmdline[:200]}")
+    return found
+
+
+@pytest.mark.cluster
+@pytest.mark.consul
+def test_ctrl_c_removes_every_namespace_and_process(consul_bin: str, tmp_path: Path) -> None:
+    """Ctrl-C in the middle of a run: exit 130, and no namespace, link or process of the run is left."""
+    require_tool("ip")
+    if os.geteuid() != 0:
+        pytest.fail("the chaos run needs root for network namespaces", pytrace=False)
+    out = tmp_path / "chaos"
+    proc = subprocess.Popen([sys.executable, "-m", "bench.chaos", "--duration", "10m", "--out", str(out),
+                             "--job", "skip10:skip:4:*:*:0/10"], cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for(lambda: '"start"' in (out / "history.log").read_text(), 120, "a job to start under the chaos run")
+        assert _our_namespaces(f"x{proc.pid % 100000}")
+    finally:
+        proc.send_signal(signal.SIGINT)
+        _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 130, stderr[-3000:]
+    assert not _our_namespaces(f"x{proc.pid % 100000}")
+    links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True, check=True).stdout
+    assert f"x{proc.pid % 100000}" not in links
+    assert not _processes_mentioning(str(out))

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.chaos.logs import read
+from bench.chaos.report import markdown
 
 CLIENT_FAULTS = {"agent-kill", "partition-client", "wrapper-kill", "pause", "skew"}
 FENCING_FAULTS = ("agent-kill", "partition-client", "wrapper-kill", "partition-server", "leader-kill")
@@ -128,39 +129,76 @@ def active_faults(faults: list[Fault], start: float, end: float, node: str | Non
 
 
 def check(out: Path) -> dict[str, Any]:
+    """The report of the run in `out` (run.json, history.log, nemesis.log); `violations` lists broken guarantees."""
     meta = json.loads((out / "run.json").read_text())
     ttl, lock_delay = meta["ttl_s"], meta["lock_delay_s"]
-    horizon = 2 * ttl + lock_delay  # how long a fault can still act after it started
     runs_by_job, timer_events = load_runs(out / "history.log")
     faults = load_faults(out / "nemesis.log", meta.get("t_end") or meta["fire_until"])
     for fault in faults:
         if fault.kind == "pause":
-            for runs in runs_by_job.values():
-                for run in runs:
-                    if run.pid in fault.pids() or run.wrapper in fault.pids():
-                        run.paused.append(fault.id)
+            for run in (r for runs in runs_by_job.values() for r in runs):
+                if run.pid in fault.pids() or run.wrapper in fault.pids():
+                    run.paused.append(fault.id)
     report: dict[str, Any] = {"command": meta.get("command"), "duration_s": meta.get("duration_s"),
                               "ttl_s": ttl, "lock_delay_s": lock_delay,
                               "faults": dict(Counter(f.kind for f in faults)), "jobs": {}, "violations": []}
-    clients = meta["clients"]
-    all_fired = 0
     for spec in meta["jobs"]:
-        job, policy, interval = spec["name"], spec["policy"], spec["interval_s"]
-        runs = sorted(runs_by_job.get(job, []), key=lambda r: r.start)
-        fires = [e for e in timer_events if e.get("job") == job]
-        occurrences = sorted({e["sched"] for e in fires if e["ev"] in ("fire", "busy")})
-        all_fired += len(occurrences)
-        by_occ: dict[str, list[Run]] = defaultdict(list)
-        for run in runs:
-            by_occ[run.occ].append(run)
-        entry: dict[str, Any] = {"policy": policy, "schedule": spec["schedule"], "interval_s": interval,
-                                 "job_seconds": spec["seconds"], "retry_condition_holds": spec.get("condition_holds"),
-                                 "occurrences": len(occurrences), "runs": len(runs),
-                                 "completed": sum(r.ended for r in runs)}
-        # Overlaps: any two runs of the job at once, whatever their occurrences.
+        job = _Job(spec, runs_by_job.get(spec["name"], []), timer_events, faults, meta)
+        report["jobs"][spec["name"]] = job.entry
+        report["violations"] += job.violations
+    fired = sum(e["occurrences"] for e in report["jobs"].values())
+    before, after = meta.get("applied_before"), meta.get("applied_after")
+    report["raft_writes"] = (after - before) if before is not None and after is not None else None
+    report["occurrences"] = fired
+    report["raft_writes_per_occurrence"] = (round(report["raft_writes"] / fired, 1)
+                                            if report["raft_writes"] is not None and fired else None)
+    limit = 2 * ttl + lock_delay + 2
+    report["goals"] = {
+        "fencing_p100_below_lock_delay": all((e["fencing_latency_s"]["all (pauses apart)"]["max"] or 0) < lock_delay
+                                             for e in report["jobs"].values()),
+        "takeover_p99_limit_s": limit,
+        "takeover_p99_within_limit": all((e["takeover_latency_s"]["p99"] or 0) <= limit
+                                         for e in report["jobs"].values())}
+    return report
+
+
+class _Job:
+    """One job's history judged: its `entry` in the report and its `violations`."""
+
+    def __init__(self, spec: dict[str, Any], runs: list[Run], timer_events: list[dict[str, Any]],
+                 faults: list[Fault], meta: dict[str, Any]) -> None:
+        self.spec, self.faults, self.clients = spec, faults, meta["clients"]
+        self.name, self.policy = spec["name"], spec["policy"]
+        self.horizon = 2 * meta["ttl_s"] + meta["lock_delay_s"]  # how long a fault can still act after it started
+        self.runs = sorted(runs, key=lambda r: r.start)
+        self.fires = [e for e in timer_events if e.get("job") == self.name]
+        self.occurrences = sorted({e["sched"] for e in self.fires if e["ev"] in ("fire", "busy")})
+        self.by_occ: dict[str, list[Run]] = defaultdict(list)
+        for run in self.runs:
+            self.by_occ[run.occ].append(run)
+        # Wrappers killed between acquisition and their job's first line left no run: occurrence of each.
+        logged = {r.wrapper for r in self.runs}
+        fired = {e["wrapper"]: e["sched"] for e in self.fires if e["ev"] == "fire"}
+        self.killed_unlogged = [(f, fired[f.line["wrapper"]]) for f in faults if f.kind == "wrapper-kill"
+                                and f.line.get("wrapper") in fired and f.line["wrapper"] not in logged]
+        self.violations: list[dict[str, Any]] = []
+        self.entry: dict[str, Any] = {
+            "policy": self.policy, "schedule": spec["schedule"], "interval_s": spec["interval_s"],
+            "job_seconds": spec["seconds"], "retry_condition_holds": spec.get("condition_holds"),
+            "occurrences": len(self.occurrences), "runs": len(self.runs), "completed": sum(r.ended for r in self.runs)}
+        self._overlaps()
+        self._outcomes()
+        self.entry["wrapper_exit_statuses"] = dict(sorted(
+            Counter(str(e["status"]) for e in self.fires if e["ev"] == "exit").items(), key=lambda kv: int(kv[0])))
+        self.entry["timer_busy"] = sum(e["ev"] == "busy" for e in self.fires)
+        self._fencing()
+        self._takeovers()
+
+    def _overlaps(self) -> None:
+        """Any two runs of the job at once, whatever their occurrences; those with a paused run apart."""
         overlaps, pause_overlaps = [], []
-        for i, first in enumerate(runs):
-            for second in runs[i + 1:]:
+        for i, first in enumerate(self.runs):
+            for second in self.runs[i + 1:]:
                 if second.start >= first.last:
                     break
                 end = min(first.last, second.last)
@@ -170,110 +208,108 @@ def check(out: Path) -> dict[str, Any]:
                 stale_writes = [w for w in stale.writes if w[0] > fresh.start]
                 item = {"runs": [_describe(first), _describe(second)], "seconds": round(end - second.start, 3),
                         "from": second.start, "to": end,
-                        "faults": [f.label() for f in active_faults(faults, second.start - horizon, end)],
+                        "faults": [f.label() for f in active_faults(self.faults, second.start - self.horizon, end)],
                         "stale_writes": len(stale_writes),
                         "stale_writes_rejected_by_token": sum(rejected for _, rejected in stale_writes),
                         "evidence": [*first.lines, *second.lines]}
                 (pause_overlaps if first.paused or second.paused else overlaps).append(item)
-        entry["overlaps"] = overlaps
-        entry["pause_overlaps"] = pause_overlaps
-        entry["pause_overlaps_all_rejected_by_token"] = all(
+        self.entry["overlaps"] = overlaps
+        self.entry["pause_overlaps"] = pause_overlaps
+        self.entry["pause_overlaps_all_rejected_by_token"] = all(
             o["stale_writes_rejected_by_token"] == o["stale_writes"] for o in pause_overlaps)
-        for item in overlaps:
-            report["violations"].append({"kind": "overlap", "job": job, **item})
-        # Occurrence outcomes.
+        self.violations += [{"kind": "overlap", "job": self.name, **item} for item in overlaps]
+
+    def _outcomes(self) -> None:
+        by_occ = self.by_occ
         ran_twice = {occ: rs for occ, rs in by_occ.items() if len(rs) > 1}
         completed_twice = {occ: rs for occ, rs in by_occ.items() if sum(r.ended for r in rs) > 1}
-        entry["started_more_than_once"] = len(ran_twice)
-        entry["completed_more_than_once"] = len(completed_twice)
-        entry["never_started"] = sum(1 for occ in occurrences if occ not in by_occ)
-        entry["started_never_completed"] = sum(1 for occ in occurrences if occ in by_occ
-                                               and not any(r.ended for r in by_occ[occ]))
-        if policy == "skip":
-            entry["duplicates"] = [{"occurrence": occ, "runs": [_describe(r) for r in rs],
-                                    "evidence": [ln for r in rs for ln in r.lines]} for occ, rs in ran_twice.items()]
-            for dup in entry["duplicates"]:
-                report["violations"].append({"kind": "duplicate under skip", "job": job, **dup})
-        else:
-            entry["completed_twice"] = [{"occurrence": occ, "runs": [_describe(r) for r in rs]}
-                                        for occ, rs in completed_twice.items()]
-            lost, lost_no_healthy = [], []
-            for occ in occurrences:
-                if any(r.ended for r in by_occ.get(occ, [])):
-                    continue
-                t0 = _epoch(occ)
-                window = (t0, t0 + interval)
-                sick = [f for f in faults if f.kind in CLIENT_FAULTS
-                        and f.start <= window[1] and f.end + RECOVERY_S >= window[0]]
-                always_healthy = [c for c in clients if c not in {f.node for f in sick}]
-                # As the issue puts it: at every instant of the occurrence's interval some client node had no fault.
-                healthy = always_healthy or _some_node_healthy_throughout(sick, clients, window)
-                item = {"occurrence": occ, "healthy_nodes": always_healthy,
-                        "faults": [f.label() for f in active_faults(faults, window[0] - horizon, window[1])],
-                        "wrappers": [{k: e.get(k) for k in ("ev", "node", "status", "ran", "last")}
-                                     for e in fires if e["sched"] == occ and e["ev"] in ("exit", "busy")],
-                        "evidence": [ln for r in by_occ.get(occ, []) for ln in r.lines]}
-                (lost if healthy else lost_no_healthy).append(item)
-            entry["lost_with_healthy_node"] = lost
-            entry["lost_without_healthy_node"] = len(lost_no_healthy)
-            if spec.get("condition_holds"):
-                for item in lost:
-                    report["violations"].append({"kind": "lost under retry", "job": job, **item})
-        entry["wrapper_exit_statuses"] = dict(sorted(Counter(str(e["status"]) for e in fires
-                                                             if e["ev"] == "exit").items(), key=lambda kv: int(kv[0])))
-        entry["timer_busy"] = sum(e["ev"] == "busy" for e in fires)
-        # Fencing latency: a fault hit a running holder, whose job then died without ending.
-        fencing: dict[str, list[float]] = defaultdict(list)
-        fenced_runs: set[int] = set()
-        for fault in faults:
-            if fault.kind not in FENCING_FAULTS:
+        self.entry["started_more_than_once"] = len(ran_twice)
+        self.entry["completed_more_than_once"] = len(completed_twice)
+        self.entry["never_started"] = sum(1 for occ in self.occurrences if occ not in by_occ)
+        self.entry["started_never_completed"] = sum(1 for occ in self.occurrences if occ in by_occ
+                                                    and not any(r.ended for r in by_occ[occ]))
+        if self.policy == "skip":
+            duplicates = [{"occurrence": occ, "runs": [_describe(r) for r in rs],
+                           "evidence": [ln for r in rs for ln in r.lines]} for occ, rs in ran_twice.items()]
+            self.entry["duplicates"] = duplicates
+            self.violations += [{"kind": "duplicate under skip", "job": self.name, **d} for d in duplicates]
+            return
+        self.entry["completed_twice"] = [{"occurrence": occ, "runs": [_describe(r) for r in rs]}
+                                         for occ, rs in completed_twice.items()]
+        self._lost()
+
+    def _lost(self) -> None:
+        """Occurrences no run completed, judged against the client nodes' health during their interval."""
+        lost, lost_no_healthy, lost_repeated = [], [], []
+        attempts_killed = Counter(r.occ for r in self.runs if not r.ended)
+        attempts_killed.update(occ for _, occ in self.killed_unlogged)
+        for occ in self.occurrences:
+            if any(r.ended for r in self.by_occ.get(occ, [])):
                 continue
-            for run in runs:
+            t0 = _epoch(occ)
+            window = (t0, t0 + self.spec["interval_s"])
+            sick = [f for f in self.faults if f.kind in CLIENT_FAULTS
+                    and f.start <= window[1] and f.end + RECOVERY_S >= window[0]]
+            always_healthy = [c for c in self.clients if c not in {f.node for f in sick}]
+            # As the issue puts it: at every instant of the occurrence's interval some client node had no fault.
+            healthy = always_healthy or _some_node_healthy_throughout(sick, self.clients, window)
+            item = {"occurrence": occ, "healthy_nodes": always_healthy, "attempts_killed": attempts_killed[occ],
+                    "faults": [f.label() for f in active_faults(self.faults, window[0] - self.horizon, window[1])],
+                    "wrappers": [{k: e.get(k) for k in ("ev", "node", "status", "ran", "last")}
+                                 for e in self.fires if e["sched"] == occ and e["ev"] in ("exit", "busy")],
+                    "evidence": [ln for r in self.by_occ.get(occ, []) for ln in r.lines]}
+            if not healthy:
+                lost_no_healthy.append(item)
+            elif attempts_killed[occ] >= 2:  # the condition allows for one holder death per occurrence
+                lost_repeated.append(item)
+            else:
+                lost.append(item)
+        self.entry["lost_with_healthy_node"] = lost
+        self.entry["lost_without_healthy_node"] = len(lost_no_healthy)
+        self.entry["lost_after_repeated_holder_deaths"] = lost_repeated
+        if self.spec.get("condition_holds"):
+            self.violations += [{"kind": "lost under retry", "job": self.name, **item} for item in lost]
+
+    def _fencing(self) -> None:
+        """Fault start -> the hit holder's job dead (it never ended); and the tail of each pause."""
+        fencing: dict[str, list[float]] = defaultdict(list)
+        fenced: set[int] = set()
+        for fault in (f for f in self.faults if f.kind in FENCING_FAULTS):
+            for run in self.runs:
                 # The job may have died before its next heartbeat was due: the last one is up to 0.1 s old. The
                 # nemesis sees a holder when its job is forked, a little before the job's start line.
                 if (run.ended or not run.start - HOLDER_SEEN_S <= fault.start <= run.last + HEARTBEAT_S
-                        or run.pid in fenced_runs):
+                        or run.pid in fenced):
                     continue
                 if fault.kind in ("agent-kill", "partition-client") and run.node != fault.node:
                     continue
                 if fault.kind == "wrapper-kill" and run.wrapper != fault.line.get("wrapper"):
                     continue
                 fencing[fault.kind].append(max(0.0, run.last - fault.start))
-                fenced_runs.add(run.pid)
-        pause_wake = []
-        for run in runs:
-            if run.paused:  # the tail of a pause: from SIGCONT to the paused job's last line
-                fault = next(f for f in faults if f.id == run.paused[-1])
-                pause_wake.append(max(0.0, run.last - (fault.healed or fault.end)))
-                fenced_runs.add(run.pid)
-        entry["fencing_latency_s"] = {kind: percentiles(v) for kind, v in sorted(fencing.items())}
-        entry["fencing_latency_s"]["all (pauses apart)"] = percentiles([x for v in fencing.values() for x in v])
-        entry["fenced_after_pause_s"] = percentiles(pause_wake)
-        entry["died_unexplained"] = [_describe(r) for r in runs if not r.ended and r.pid not in fenced_runs]
-        # Takeover latency: a standby's job starts for the occurrence of a job that died.
+                fenced.add(run.pid)
+        pause_tail = []
+        for run in (r for r in self.runs if r.paused):  # from SIGCONT to the paused job's last line
+            fault = next(f for f in self.faults if f.id == run.paused[-1])
+            pause_tail.append(max(0.0, run.last - (fault.healed or fault.end)))
+            fenced.add(run.pid)
+        self.entry["fencing_latency_s"] = {kind: percentiles(v) for kind, v in sorted(fencing.items())}
+        self.entry["fencing_latency_s"]["all (pauses apart)"] = percentiles([x for v in fencing.values() for x in v])
+        self.entry["fenced_after_pause_s"] = percentiles(pause_tail)
+        self.entry["died_unexplained"] = [_describe(r) for r in self.runs if not r.ended and r.pid not in fenced]
+
+    def _takeovers(self) -> None:
+        """A dead holder's last line (or its wrapper's kill) -> the next run of the same occurrence starts."""
+        deaths = [(run.occ, run.start, run.last) for run in self.runs if not run.ended]
+        deaths += [(occ, fault.start, fault.start) for fault, occ in self.killed_unlogged]
         takeovers, not_taken_over = [], 0
-        for run in runs:
-            if run.ended or policy != "retry":
-                continue
-            after = [r for r in by_occ[run.occ] if r.start > run.start]
+        for occ, began, died in deaths if self.policy == "retry" else []:
+            after = [r for r in self.by_occ.get(occ, []) if r.start > began]
             if after:
-                takeovers.append(after[0].start - run.last)
+                takeovers.append(after[0].start - died)
             else:
                 not_taken_over += 1
-        entry["takeover_latency_s"] = percentiles(takeovers)
-        entry["died_not_taken_over"] = not_taken_over
-        report["jobs"][job] = entry
-    before, after = meta.get("applied_before"), meta.get("applied_after")
-    report["raft_writes"] = (after - before) if before is not None and after is not None else None
-    report["occurrences"] = all_fired
-    report["raft_writes_per_occurrence"] = (round(report["raft_writes"] / all_fired, 1)
-                                            if report["raft_writes"] is not None and all_fired else None)
-    report["goals"] = {"fencing_p100_below_lock_delay": all(
-        (e["fencing_latency_s"]["all (pauses apart)"]["max"] or 0) < lock_delay for e in report["jobs"].values()),
-        "takeover_p99_limit_s": 2 * ttl + lock_delay + 2,
-        "takeover_p99_within_limit": all((e["takeover_latency_s"]["p99"] or 0) <= 2 * ttl + lock_delay + 2
-                                         for e in report["jobs"].values())}
-    return report
+        self.entry["takeover_latency_s"] = percentiles(takeovers)
+        self.entry["died_not_taken_over"] = not_taken_over
 
 
 def _some_node_healthy_throughout(sick: list[Fault], clients: list[str], window: tuple[float, float]) -> bool:
@@ -295,45 +331,6 @@ def _describe(run: Run) -> str:
     how = "ended" if run.ended else "died"
     return (f"{run.node} pid {run.pid} occ {run.occ} token {run.token} {run.start:.3f}-{run.last:.3f} {how}"
             + (f" paused#{','.join(map(str, run.paused))}" if run.paused else ""))
-
-
-def markdown(report: dict[str, Any]) -> str:
-    """The report as the tables docs/chaos.md shows."""
-    out = [f"Command: `{report.get('command')}`", "",
-           f"TTL {report['ttl_s']}s, lock-delay {report['lock_delay_s']}s; {report['occurrences']} occurrences fired; "
-           f"Raft writes {report['raft_writes']} ({report['raft_writes_per_occurrence']} per occurrence, faults' "
-           "own writes included)", "",
-           "Faults: " + ", ".join(f"{k} {v}" for k, v in sorted(report["faults"].items())), "",
-           "| job | policy | schedule | occurrences | runs | completed | overlaps (outside pauses) | pause overlaps "
-           "(stale writes rejected by token) | started twice | completed twice | lost with a healthy node | "
-           "never started | wrapper exit statuses |", "|" + "---|" * 13]
-    for job, e in report["jobs"].items():
-        stale = sum(o["stale_writes"] for o in e["pause_overlaps"])
-        rejected = sum(o["stale_writes_rejected_by_token"] for o in e["pause_overlaps"])
-        lost = len(e.get("lost_with_healthy_node", [])) if e["policy"] == "retry" else "n/a"
-        if e["policy"] == "retry" and not e.get("retry_condition_holds"):
-            lost = f"{lost} (condition does not hold)"
-        statuses = ", ".join(f"{k}: {v}" for k, v in e["wrapper_exit_statuses"].items())
-        out.append(f"| {job} | {e['policy']} | `{e['schedule']}` | {e['occurrences']} | {e['runs']} | {e['completed']} "
-                   f"| {len(e['overlaps'])} | {len(e['pause_overlaps'])} ({rejected}/{stale}) "
-                   f"| {e['started_more_than_once']} | {e['completed_more_than_once']} | {lost} | {e['never_started']} "
-                   f"| {statuses} |")
-    out += ["", "| job | latency (s) | n | p50 | p90 | p99 | max |", "|---|---|---|---|---|---|---|"]
-    for job, e in report["jobs"].items():
-        rows = [(f"fencing: {k}", v) for k, v in e["fencing_latency_s"].items()]
-        rows.append(("pause tail (SIGCONT to the paused job's last line)", e["fenced_after_pause_s"]))
-        if e["policy"] == "retry":
-            rows.append(("takeover", e["takeover_latency_s"]))
-        for name, p in rows:
-            out.append(f"| {job} | {name} | {p['n']} | {p['p50']} | {p['p90']} | {p['p99']} | {p['max']} |")
-    out += ["", f"Goals: fencing p100 < lock-delay: {report['goals']['fencing_p100_below_lock_delay']}; takeover p99 <= "
-            f"{report['goals']['takeover_p99_limit_s']}s: {report['goals']['takeover_p99_within_limit']}",
-            "", f"Violations: {len(report['violations'])}"]
-    for v in report["violations"]:
-        out.append(f"- {v['kind']} ({v['job']}): " + json.dumps({k: x for k, x in v.items()
-                                                                  if k not in ("kind", "job", "evidence")}))
-        out += [f"    {json.dumps(ln)}" for ln in v.get("evidence", [])[:8]]
-    return "\n".join(out) + "\n"
 
 
 def main() -> int:

@@ -74,8 +74,8 @@ class Nemesis(threading.Thread):
     def _holder(self) -> Wrapper | None:
         """A wrapper whose job just started, of a job chosen at random, so the fault hits a fresh holder."""
         job = self.rng.choice(self.fleet.jobs)
-        return self.fleet.fresh_holder(job.name, job.interval_s() + self.fleet.lock.max_delay_s + 1,
-                                       self.stop_event)
+        wait = min(job.interval_s() + self.fleet.lock.max_delay_s + 1, self.stop_at - time.time())
+        return self.fleet.fresh_holder(job.name, wait, self.stop_event) if wait > 0 else None
 
     def _client_target(self) -> str:
         if self.rng.random() < 0.75:

@@ -19,9 +19,10 @@ from types import FrameType
 
 from consulrun.durations import parse_duration
 
-from bench.chaos.checker import check, markdown
+from bench.chaos.checker import check
 from bench.chaos.logs import AppendLog
 from bench.chaos.nemesis import KINDS, Nemesis
+from bench.chaos.report import markdown
 from bench.chaos.timers import FAKETIME_LIB, Fleet, JobSpec, LockSettings
 from tests.harness.agents import consul_binary, wait_for
 from tests.harness.bigcluster import BigCluster, start_big_cluster

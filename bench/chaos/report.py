@@ -1,0 +1,49 @@
+"""The checker's report as Markdown: the tables docs/chaos.md shows, and each violation with its history lines."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+
+def markdown(report: dict[str, Any]) -> str:
+    """The report as the tables docs/chaos.md shows."""
+    out = [f"Command: `{report.get('command')}`", "",
+           f"TTL {report['ttl_s']}s, lock-delay {report['lock_delay_s']}s; {report['occurrences']} occurrences fired; "
+           f"Raft writes {report['raft_writes']} ({report['raft_writes_per_occurrence']} per occurrence, faults' "
+           "own writes included)", "",
+           "Faults: " + ", ".join(f"{k} {v}" for k, v in sorted(report["faults"].items())), "",
+           "| job | policy | schedule | occurrences | runs | completed | overlaps (outside pauses) | pause overlaps "
+           "(stale writes rejected by token) | started twice | completed twice | lost with a healthy node | "
+           "never started | wrapper exit statuses |", "|" + "---|" * 13]
+    for job, e in report["jobs"].items():
+        stale = sum(o["stale_writes"] for o in e["pause_overlaps"])
+        rejected = sum(o["stale_writes_rejected_by_token"] for o in e["pause_overlaps"])
+        lost: object = "n/a"
+        if e["policy"] == "retry":
+            lost = len(e["lost_with_healthy_node"])
+            if e["lost_after_repeated_holder_deaths"]:
+                lost = f"{lost} (+{len(e['lost_after_repeated_holder_deaths'])} after 2+ holder deaths)"
+        if e["policy"] == "retry" and not e.get("retry_condition_holds"):
+            lost = f"{lost} (condition does not hold)"
+        statuses = ", ".join(f"{k}: {v}" for k, v in e["wrapper_exit_statuses"].items())
+        out.append(f"| {job} | {e['policy']} | `{e['schedule']}` | {e['occurrences']} | {e['runs']} | {e['completed']} "
+                   f"| {len(e['overlaps'])} | {len(e['pause_overlaps'])} ({rejected}/{stale}) "
+                   f"| {e['started_more_than_once']} | {e['completed_more_than_once']} | {lost} | {e['never_started']} "
+                   f"| {statuses} |")
+    out += ["", "| job | latency (s) | n | p50 | p90 | p99 | max |", "|---|---|---|---|---|---|---|"]
+    for job, e in report["jobs"].items():
+        rows = [(f"fencing: {k}", v) for k, v in e["fencing_latency_s"].items()]
+        rows.append(("pause tail (SIGCONT to the paused job's last line)", e["fenced_after_pause_s"]))
+        if e["policy"] == "retry":
+            rows.append(("takeover", e["takeover_latency_s"]))
+        for name, p in rows:
+            out.append(f"| {job} | {name} | {p['n']} | {p['p50']} | {p['p90']} | {p['p99']} | {p['max']} |")
+    out += ["", f"Goals: fencing p100 < lock-delay: {report['goals']['fencing_p100_below_lock_delay']}; takeover p99 <= "
+            f"{report['goals']['takeover_p99_limit_s']}s: {report['goals']['takeover_p99_within_limit']}",
+            "", f"Violations: {len(report['violations'])}"]
+    for v in report["violations"]:
+        out.append(f"- {v['kind']} ({v['job']}): " + json.dumps({k: x for k, x in v.items()
+                                                                  if k not in ("kind", "job", "evidence")}))
+        out += [f"    {json.dumps(ln)}" for ln in v.get("evidence", [])[:8]]
+    return "\n".join(out) + "\n"
