@@ -2,8 +2,9 @@
 
 `on_holder_loss: retry` promises at least once per occurrence only if a dead
 run can be noticed and run again before the next occurrence replaces it:
-the occurrences must be more than 2 x TTL (the longest a dead wrapper's
-session may live) + lock-delay + the job's run time (its timeout) apart.
+the occurrences must be more than the timer's accuracy and randomized delay +
+2 x TTL (the longest a dead wrapper's session may live) + lock-delay + the
+job's run time (its timeout) apart.
 """
 
 from __future__ import annotations
@@ -18,7 +19,10 @@ LOOK_AHEAD = 200  # occurrences examined for the densest gap (a daily spec with 
 
 
 def retry_takeover_needs_ms(job: Job) -> int:
-    return 2 * job.lock.ttl_ms + job.lock.lock_delay_ms + (job.timeout_ms or 0)
+    """The timer's own lateness (accuracy + randomized delay), the longest a dead run goes unnoticed (2 x TTL),
+    lock-delay, and the second attempt's run time."""
+    return (job.timer.accuracy_ms + job.timer.randomized_delay_ms + 2 * job.lock.ttl_ms + job.lock.lock_delay_ms
+            + (job.timeout_ms or 0))
 
 
 def densest_gap_ms(specs: list[str], start: datetime) -> int | None:
@@ -47,6 +51,8 @@ def warnings(manifest: Manifest, now: datetime | None = None) -> list[str]:
             run_time = f" + timeout {format_duration(job.timeout_ms)}" if job.timeout_ms else " + the job's run time"
             found.append(f"job {job.name}: on_holder_loss: retry cannot promise at least once: occurrences are "
                          f"{format_duration(gap)} apart, but noticing a dead run and running it again can take "
-                         f"{format_duration(needs)} (2 x ttl {format_duration(job.lock.ttl_ms)} + lock_delay "
-                         f"{format_duration(job.lock.lock_delay_ms)}{run_time}); a lost run may be superseded by the next")
+                         f"{format_duration(needs)} (timer accuracy + randomized delay "
+                         f"{format_duration(job.timer.accuracy_ms + job.timer.randomized_delay_ms)} + 2 x ttl "
+                         f"{format_duration(job.lock.ttl_ms)} + lock_delay {format_duration(job.lock.lock_delay_ms)}"
+                         f"{run_time}); a lost run may be superseded by the next")
     return found

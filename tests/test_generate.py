@@ -183,7 +183,7 @@ def test_template_with_undefined_variable_is_an_error(tmp_path: Path) -> None:
 
 
 def test_retry_job_on_a_schedule_too_dense_for_a_takeover_is_warned_about(tmp_path: Path) -> None:
-    """2 x ttl + lock_delay + timeout = 2 x 10s + 5s + 30s = 55s; every minute is fine, every 30 s is not."""
+    """accuracy + 2 x ttl + lock_delay + timeout = 1s + 2 x 10s + 5s + 30s = 56s; every minute is fine, 30 s not."""
     from click.testing import CliRunner
 
     from consulrun.cli import main
@@ -201,4 +201,4 @@ def test_retry_job_on_a_schedule_too_dense_for_a_takeover_is_warned_about(tmp_pa
     warned = generate("*:*:0/30")
     assert warned.count("\n") == 1
     assert warned.startswith("warning: job dense: on_holder_loss: retry cannot promise at least once: occurrences "
-                             "are 30s apart, but noticing a dead run and running it again can take 55s")
+                             "are 30s apart, but noticing a dead run and running it again can take 56s")
