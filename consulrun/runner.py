@@ -247,7 +247,7 @@ def _run_held(request: RunRequest, locker: Locker, held: Held, fencing: Fencing,
     if claim and claim.get("manual"):
         which = f" for a manual run asked for by {claim.get('requested_by')}"
     elif claim:
-        which = f" for occurrence {claim['occurrence']}" + (" (taking over from a dead runner)" if claim["takeover"] else "")
+        which = f" for occurrence {claim['occurrence']}" + (", taking over from a dead runner," if claim["takeover"] else "")
     log.info("%s: acquired %s%s (session %s, fencing token %d)", spec.job, held.key, which, held.session,
              held.fencing_token)
     watcher = Watcher(locker.client, spec, held, fencing)

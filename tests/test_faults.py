@@ -592,3 +592,39 @@ def stop_agent_in(ctr, consul_bin: str, agent: subprocess.Popen[bytes]) -> None:
     agent.terminate()
     agent.wait(timeout=20)
     wait_for(lambda: ctr.exec(consul_bin, "members", check=False).returncode != 0, 20, "the container's agent to stop")
+
+
+# --- logs a sysadmin can read (the CLI issue's "Logs") -----------------------------------------------------------
+
+def test_unreachable_consul_is_logged_once_then_every_few_seconds(consul_bin: str, tmp_path: Path) -> None:
+    """Not a line per retry (35 in 7 s before): one when confirmation fails, then one every 5 s with the time left."""
+    from tests.harness.agents import start_dev_agent
+
+    agent = start_dev_agent(consul_bin, tmp_path, name="quiet1")
+    started = tmp_path / "started"
+    holder = consulrun("run", "--lock-delay", "15s", "quiet", "--", "sh", "-c", f"touch {started}; sleep 60",
+                       env={"CONSUL_HTTP_ADDR": agent.http_addr})
+    try:
+        wait_for(started.exists, 20, "the job")
+        agent.kill()  # confirmation now fails at once, over and over, until the wrapper fences (9 s)
+        code, _, err = finish(holder)
+    finally:
+        agent.stop()
+    assert code == 75, err
+    complaints = [line for line in err.splitlines() if "cannot confirm the lock" in line]
+    assert 1 <= len(complaints) <= 3, complaints
+    assert all(line.startswith("consulrun: quiet: ") and "the job is stopped in" in line for line in complaints)
+
+
+def test_waiting_is_said_once_with_what_for(consul: Agent, tmp_path: Path) -> None:
+    started = tmp_path / "started"
+    holder = consulrun("run", "saywait", "--", "sh", "-c", f"touch {started}; sleep 60")
+    try:
+        wait_for(started.exists, 20, "the holder's job")
+        code, _, err = finish(consulrun("run", "--wait", "3s", "--skip-exit-code", str(SKIP), "saywait", "--", "true"))
+    finally:
+        holder.terminate()
+        finish(holder)
+    assert code == SKIP, err
+    waiting = [line for line in err.splitlines() if "waiting up to" in line]
+    assert len(waiting) == 1 and waiting[0].startswith("consulrun: saywait: waiting up to 3s for the lock, held by dev1")
