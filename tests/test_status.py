@@ -437,9 +437,11 @@ def test_watch_survives_an_agent_restart(consul_bin: str, tmp_path: Path) -> Non
         assert lines[0]["verdict"] == "ok" and lines[-1]["jobs"][0]["job"] == "after"
         assert any(line["verdict"] == "consul_unavailable" for line in lines)
     finally:
-        watcher.send_signal(signal.SIGINT)
-        finish(watcher, timeout=30)
-        agent.stop()
+        try:
+            watcher.send_signal(signal.SIGINT)
+            finish(watcher, timeout=30)
+        finally:
+            agent.stop()  # whatever the watcher did: an agent this test started never outlives it
 
 
 def test_process_start_survives_odd_process_names() -> None:
