@@ -19,7 +19,7 @@ import os
 import signal
 import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from consulrun.errors import JobNotStarted
 
@@ -45,9 +45,9 @@ def _in_child(parent: int) -> None:
         os._exit(128 + signal.SIGKILL)
 
 
-def _parents() -> dict[int, int]:
-    """pid -> parent pid of every live (not zombie) process, read from /proc/*/stat."""
-    links: dict[int, int] = {}
+def live_processes() -> Iterator[tuple[int, list[bytes]]]:
+    """(pid, the fields of /proc/PID/stat after the command name: state, ppid, pgrp, session, ...) of every live,
+    not zombie, process this process may see."""
     for name in os.listdir("/proc"):
         if not name.isdigit():
             continue
@@ -57,8 +57,12 @@ def _parents() -> dict[int, int]:
         except OSError:  # exited while we looked
             continue
         if fields[0] != b"Z":
-            links[int(name)] = int(fields[1])
-    return links
+            yield int(name), fields
+
+
+def _parents() -> dict[int, int]:
+    """pid -> parent pid of every live (not zombie) process, read from /proc/*/stat."""
+    return {pid: int(fields[1]) for pid, fields in live_processes()}
 
 
 def _has_children() -> bool:

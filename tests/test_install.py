@@ -11,6 +11,7 @@ import sys
 import time
 from collections import Counter
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -52,15 +53,14 @@ def boot(name: str, workdir: Path, netns: str) -> Container:
     return Container(name, workdir, netns=netns, binds=container_binds()).start()
 
 
-@pytest.fixture(scope="module")
-def node(consul_bin: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Container]:
-    """One booted node with a Consul dev agent of its own."""
-    network = Network(1, subnet="10.213.80.0/24", tag="i").up()
-    workdir = tmp_path_factory.mktemp("install")
+@contextmanager
+def agent_node(consul_bin: str, workdir: Path, subnet: str, tag: str) -> Iterator[Container]:
+    """One booted container in its own network namespace with a Consul dev agent of its own; all gone after."""
+    network = Network(1, subnet=subnet, tag=tag).up()
     ctr = None
     agent = None
     try:
-        ctr = boot(f"cri{os.getpid() % 100000}", workdir, network.namespace(0))
+        ctr = boot(f"cr{tag}{os.getpid() % 100000}", workdir, network.namespace(0))
         agent = start_agent(ctr, consul_bin, "solo", ["-dev", "-client", "127.0.0.1", "-bind", "127.0.0.1"],
                             workdir / "consul.log")
         yield ctr
@@ -71,6 +71,13 @@ def node(consul_bin: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
         if ctr:
             ctr.stop()
         network.down()
+
+
+@pytest.fixture(scope="module")
+def node(consul_bin: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Container]:
+    """One booted node with a Consul dev agent of its own."""
+    with agent_node(consul_bin, tmp_path_factory.mktemp("install"), "10.213.80.0/24", "i") as ctr:
+        yield ctr
 
 
 def install(ctr: Container, text: str, *args: str, check: bool = False) -> subprocess.CompletedProcess[str]:

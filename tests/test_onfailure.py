@@ -9,9 +9,8 @@ from collections.abc import Iterator
 import pytest
 
 from tests.harness.agents import wait_for
-from tests.harness.netns import Network
 from tests.harness.nspawn import Container
-from tests.test_install import CONSULRUN, boot, install, manifest, start_agent
+from tests.test_install import CONSULRUN, agent_node, install, manifest
 
 pytestmark = [pytest.mark.systemd, pytest.mark.consul]
 
@@ -25,22 +24,9 @@ SKIP = 42
 @pytest.fixture(scope="module")
 def node(consul_bin: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Container]:
     """One booted node with its own Consul dev agent and the jobs below installed (timers not started)."""
-    network = Network(1, subnet="10.213.86.0/24", tag="f").up()
-    workdir = tmp_path_factory.mktemp("onfailure")
-    ctr = agent = None
-    try:
-        ctr = boot(f"crf{os.getpid() % 100000}", workdir, network.namespace(0))
-        agent = start_agent(ctr, consul_bin, "solo", ["-dev", "-client", "127.0.0.1", "-bind", "127.0.0.1"],
-                            workdir / "consul.log")
+    with agent_node(consul_bin, tmp_path_factory.mktemp("onfailure"), "10.213.86.0/24", "f") as ctr:
         _install_jobs(ctr)
         yield ctr
-    finally:
-        if agent:
-            agent.terminate()
-            agent.wait(timeout=20)
-        if ctr:
-            ctr.stop()
-        network.down()
 
 
 def _install_jobs(ctr: Container) -> None:

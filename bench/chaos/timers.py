@@ -21,6 +21,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from consulrun import calendar
+from consulrun.child import live_processes
 
 from bench.chaos.logs import AppendLog
 from tests.harness.agents import Agent
@@ -83,18 +84,7 @@ def descendants(pid: int) -> list[int]:
 
 def _in_session(sid: int) -> list[int]:
     """Live processes of session `sid` (a wrapper started with start_new_session leads its own)."""
-    found = []
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{name}/stat", "rb") as handle:
-                fields = handle.read().rsplit(b")", 1)[1].split()
-        except OSError:
-            continue
-        if fields[0] != b"Z" and int(fields[3]) == sid:
-            found.append(int(name))
-    return found
+    return [pid for pid, fields in live_processes() if int(fields[3]) == sid]
 
 
 def signal_all(pids: list[int], signum: int) -> None:
