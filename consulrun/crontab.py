@@ -23,7 +23,7 @@ from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 import yaml
 
 from consulrun import cronfields, shellsyntax
-from consulrun.errors import UsageError
+from consulrun.errors import ManifestError, UsageError
 
 _ENV = re.compile(r"\s*(?P<name>\"[^\"]*\"|'[^']*'|[^=\s]+)\s*=\s*(?P<value>.*?)\s*")
 _VARIABLE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
@@ -34,22 +34,12 @@ DEFAULT_SHELL = "/bin/sh"
 _CRON_ONLY = {"SHELL", "MAILTO", "CRON_TZ", "MAILFROM", "CONTENT_TYPE", "CONTENT_TRANSFER_ENCODING", "RANDOM_DELAY"}
 
 
-class CrontabError(UsageError):
+class CrontabError(ManifestError):
     """Lines of a crontab that have no manifest equivalent; the manifest of the rest is still printed."""
 
     def __init__(self, problems: list[str], manifest: str) -> None:
-        self.problems = problems
         self.manifest = manifest
-        super().__init__("\n".join(problems))
-
-    def format_message(self) -> str:
-        return "\n".join(self.problems)
-
-    def show(self, file=None) -> None:  # noqa: ANN001 - click's signature
-        import click
-
-        for line in self.problems:
-            click.echo(f"Error: {line}", err=True, file=file)
+        super().__init__(problems)
 
 
 @dataclass
