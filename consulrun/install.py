@@ -24,7 +24,7 @@ from consulrun.address import AddressError, parse_address
 from consulrun.errors import ConsulrunError, OutputError, UsageError, os_reason
 from consulrun.guarantees import warnings as guarantee_warnings
 from consulrun.manifest import Manifest
-from consulrun.render import is_generated, render, replace_atomic
+from consulrun.render import is_generated, render, replace_atomic, restore_file
 
 
 class InstallError(ConsulrunError):
@@ -135,14 +135,7 @@ def apply(p: Plan, *, start: bool, root: Path | None) -> list[str]:
 
 def _restore(p: Plan, written: list[Path], root: Path | None) -> None:
     for path in written:
-        old = p.change.get(path.name, (None, None))[0]
-        try:
-            if old is None:
-                path.unlink(missing_ok=True)
-            else:
-                replace_atomic(path, old)
-        except OSError:
-            pass
+        restore_file(path, p.change.get(path.name, (None, None))[0])
     for name, old in p.remove.items():
         try:
             if not (p.unit_dir / name).exists():

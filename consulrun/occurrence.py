@@ -38,7 +38,6 @@ from consulrun.trigger import fresh as trigger_fresh
 
 log = logging.getLogger("consulrun")
 
-POLICIES = ("skip", "retry")
 FAILED_STATES = ("lost", "abandoned")
 
 

@@ -219,14 +219,18 @@ def write_units(units: dict[str, str], outdir: Path) -> list[Path]:
 def _put_back(renamed: list[Path], previous: dict[Path, str | None]) -> None:
     """Undo renames already done: old text back, new files removed (best effort: the write already failed)."""
     for target in renamed:
-        try:
-            old = previous[target]
-            if old is None:
-                target.unlink(missing_ok=True)
-            else:
-                replace_atomic(target, old)
-        except OSError:
-            pass
+        restore_file(target, previous[target])
+
+
+def restore_file(target: Path, old: str | None) -> None:
+    """Put `old` back at `target` (remove it if there was none); best effort: the caller is undoing a failure."""
+    try:
+        if old is None:
+            target.unlink(missing_ok=True)
+        else:
+            replace_atomic(target, old)
+    except OSError:
+        pass
 
 
 def _remove_empty(path: Path) -> None:
