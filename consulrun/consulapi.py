@@ -163,11 +163,14 @@ def translated(what: str) -> Iterator[None]:
         raise ConsulProtocolError(f"{what}: unexpected answer from Consul: {type(exc).__name__}: {_short(exc)}") from None
 
 
-# What servers answer while they elect a leader or a new leader catches up; worth retrying for a while.
-# Anything else (a bound check in critical state, an unknown session) is an answer, not an outage.
+# What servers answer while they elect a leader or a new leader catches up, and what a client agent answers
+# while it has lost every server (a one-server cluster restarting: "No known Consul servers" until serf sees
+# one again); worth retrying for a while. Anything else (a bound check in critical state, an unknown
+# session) is an answer, not an outage.
 _ELECTION_SIGNS = ("No cluster leader", "leadership lost", "not leader", "rpc error getting client",
                    "failed to get conn", "connection refused", "i/o timeout", "EOF", "raft is already shutdown",
-                   "Missing check 'serfHealth' registration", "Raft leader not found", "context deadline exceeded")
+                   "Missing check 'serfHealth' registration", "Raft leader not found", "context deadline exceeded",
+                   "No known Consul servers")
 
 
 def _election(text: str) -> bool:
