@@ -67,13 +67,33 @@ def selected_lines(path: Path, names: list[str]) -> set[int]:
     return {line for n in names for line in range(found[n][0], found[n][1] + 1)}
 
 
-def mutants_of(work: Path, rel: str, names: list[str]) -> list[tuple[str, str, str]]:
-    """(key, mutated source, one-line diff) for each of mutmut's mutants on the selected lines of `rel`."""
+LOG_CALLS = {"debug", "info", "warning", "error", "exception", "say_waiting"}
+
+
+def log_lines(source: str) -> set[int]:
+    """Lines of calls that only say something: `log.<level>(...)`, `<x>.say_waiting(...)`."""
+    found = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in LOG_CALLS:
+            found.update(range(node.lineno, (node.end_lineno or node.lineno) + 1))
+    return found
+
+
+def mutants_of(work: Path, rel: str, names: list[str], logged: list[str] | None = None) -> list[tuple[str, str, str]]:
+    """(key, mutated source, one-line diff) for each of mutmut's mutants on the selected lines of `rel`.
+
+    Mutants on a logging call's lines are left out (their keys go to `logged`, when given).
+    """
     source = (work / rel).read_text(encoding="utf-8")
     lines = selected_lines(work / rel, names)
+    quiet = log_lines(source)
     out = []
     for mid in list_mutations(Context(source=source, filename=rel, mutation_id=ALL)):
         if mid.line_number + 1 not in lines:
+            continue
+        if mid.line_number + 1 in quiet:
+            if logged is not None:
+                logged.append(f"{rel}:{mid.line_number + 1}:{mid.index}")
             continue
         mutated, count = mutate(Context(source=source, filename=rel, mutation_id=mid))
         if not count:
@@ -116,6 +136,11 @@ def _kill_session(sid: int) -> None:
                 pass
 
 
+def tests_of(group: dict, subsets: dict[str, list[str]]) -> list[str]:
+    """The group's pytest arguments, each `@name` replaced by the list [subsets.name]."""
+    return [arg for item in group["tests"] for arg in (subsets[item[1:]] if item.startswith("@") else [item])]
+
+
 def run_group(name: str, group: dict, deadline: float) -> None:
     work = WORK / name
     copy_checkout(work)
@@ -123,7 +148,7 @@ def run_group(name: str, group: dict, deadline: float) -> None:
     results: dict = json.loads(results_path.read_text()) if results_path.exists() else {}
     mutants = [m for rel, names in group["mutate"].items() for m in mutants_of(work, rel, names)]
     todo = [m for m in mutants if m[0] not in results]
-    print(f"mutation: {name}: {len(mutants)} mutants, {len(todo)} to run; tests: {' '.join(group['tests'])}",
+    print(f"mutation: {name}: {len(mutants)} mutants, {len(todo)} to run; {len(group['tests'])} test arguments",
           flush=True)
     if not todo:
         return
@@ -163,14 +188,16 @@ def report(groups: dict[str, dict]) -> None:
         if not work.exists():
             summary.append(f"{name}: not run")
             continue
-        current = {m[0] for rel, names in group["mutate"].items() for m in mutants_of(work, rel, names)}
+        logged: list[str] = []
+        current = {m[0] for rel, names in group["mutate"].items() for m in mutants_of(work, rel, names, logged)}
         path = work / "results.json"
         results = {k: v for k, v in (json.loads(path.read_text()) if path.exists() else {}).items() if k in current}
         counts: dict[str, int] = {}
         for value in results.values():
             counts[value["status"]] = counts.get(value["status"], 0) + 1
         counts["not run yet"] = len(current) - len(results)
-        summary.append(f"{name}: {len(current)} mutants: " + ", ".join(f"{v} {k}" for k, v in sorted(counts.items())))
+        summary.append(f"{name}: {len(current)} mutants: " + ", ".join(f"{v} {k}" for k, v in sorted(counts.items()))
+                       + f"; {len(logged)} on log lines, not run")
         for key in sorted(results, key=lambda k: (k.split(":")[0], int(k.split(":")[1]), int(k.split(":")[2]))):
             if results[key]["status"] == "survived":
                 details += [f"## {name}: {key.rsplit(':', 1)[0]}", "```diff", results[key]["diff"].rstrip(), "```", ""]
@@ -181,7 +208,10 @@ def report(groups: dict[str, dict]) -> None:
 
 
 def main(argv: list[str]) -> int:
-    groups: dict[str, dict] = tomllib.loads(CONFIG.read_text())["groups"]
+    config = tomllib.loads(CONFIG.read_text())
+    groups: dict[str, dict] = config["groups"]
+    for group in groups.values():
+        group["tests"] = tests_of(group, config.get("subsets", {}))
     if argv[:1] == ["--report"]:
         report({g: groups[g] for g in (argv[1:] or groups)})
         return 0
