@@ -530,7 +530,7 @@ def test_fencing_token_example_rejects_a_stale_holders_write(consul: Agent, tmp_
     example = Path(__file__).resolve().parents[1] / "examples" / "fenced_write.py"
     tokens = tmp_path / "tokens"
     for body in ("first", "second"):
-        code, _, err = finish(consulrun("run", "fenced", "--", "sh", "-c",
+        code, _, err = finish(consulrun("run", "fenced-write", "--", "sh", "-c",
                                         f"echo $CONSULRUN_FENCING_TOKEN >> {tokens}; "
                                         f"{sys.executable} {example} reports/latest {body}"))
         assert code == 0, err

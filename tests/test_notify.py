@@ -60,9 +60,9 @@ def test_failing_job_pings_its_exit_status(consul: Agent, monitor: tuple[str, li
 def test_lost_run_pings_fail(consul: Agent, monitor: tuple[str, list[str]], tmp_path: Path) -> None:
     url, paths = monitor
     started = tmp_path / "started"
-    holder = consulrun("run", "--ping-url", url, "fenced", "--", "sh", "-c", f"touch {started}; exec sleep 300")
+    holder = consulrun("run", "--ping-url", url, "ping-fenced", "--", "sh", "-c", f"touch {started}; exec sleep 300")
     wait_for(started.exists, 20, "the job to start")
-    session = consul.get("kv/consulrun/fenced/lock")[0]["Session"]
+    session = consul.get("kv/consulrun/ping-fenced/lock")[0]["Session"]
     consul.api("PUT", f"session/destroy/{session}")
     code, _, err = finish(holder, timeout=30)
     assert code == 75, err
