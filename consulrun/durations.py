@@ -11,6 +11,7 @@ writes durations that way.
 
 from __future__ import annotations
 
+import functools
 import re
 from decimal import Decimal
 
@@ -45,6 +46,7 @@ class DurationError(ValueError):
     """Raised for text that is not a duration."""
 
 
+@functools.lru_cache(maxsize=4096)  # pure; a big manifest repeats a few durations
 def parse_duration(text: str) -> int:
     """Return the duration in milliseconds, reading `text` as systemd reads a time span."""
     pos, total = 0, Decimal(0)

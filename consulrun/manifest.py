@@ -23,7 +23,7 @@ from consulrun.address import AddressError, parse_address
 from consulrun.durations import (DURATION_MAX_MS, LOCK_DELAY_RANGE_MS, TTL_RANGE_MS, DurationError, format_duration,
                                  parse_duration, range_text)
 from consulrun.errors import ManifestError, os_reason
-from consulrun.schema import SCHEMA, schedule_problem
+from consulrun.schema import SCHEMA, conforms, schedule_problem
 from consulrun.yamlsource import Located, load
 
 
@@ -414,8 +414,9 @@ def validate(located: Located, source: str) -> Manifest:
     if not isinstance(data, dict):
         problems.add((), f"the top level must be a mapping with a 'jobs' key, not {_describe(data)}")
         problems.raise_if_any()
-    for err in jsonschema.Draft202012Validator(SCHEMA).iter_errors(data):
-        _schema_problem(err, problems)
+    if not conforms(data):
+        for err in jsonschema.Draft202012Validator(SCHEMA).iter_errors(data):
+            _schema_problem(err, problems)
     _semantic_checks(problems, data)
     problems.raise_if_any()
     manifest = _build(source, data, problems)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from importlib import resources
@@ -10,12 +11,36 @@ from typing import Any
 SCHEMA: dict[str, Any] = json.loads(resources.files("consulrun").joinpath("manifest.schema.json").read_text())
 
 
+def conforms(data: Any) -> bool:
+    """True if `data` conforms to SCHEMA, by a validator compiled from it (fastjsonschema).
+
+    Only the answer comes from here: a manifest that does not conform is
+    checked again by jsonschema, whose errors carry the paths our messages
+    name. The compiled check is ~20 times faster on a valid 10,000-job
+    manifest; tests hold the two to the same verdict.
+    """
+    import fastjsonschema
+
+    global _compiled
+    if _compiled is None:
+        _compiled = fastjsonschema.compile(SCHEMA, use_default=False)  # check only: never fill data in
+    try:
+        _compiled(data)
+    except Exception:  # noqa: BLE001 - any doubt (a rejection, or data it cannot handle) goes to jsonschema
+        return False
+    return True
+
+
+_compiled: Any = None
+
+
 def name_problem(name: str) -> str | None:
     """Why `name` cannot be a job name (unit-name and KV-key material), or None if it can."""
     rule = SCHEMA["$defs"]["name"]
     return None if re.fullmatch(rule["pattern"], name) else f"job name {name!r} {rule['x-message']}"
 
 
+@functools.lru_cache(maxsize=4096)  # pure; a big manifest repeats a few specs
 def schedule_problem(spec: str) -> str | None:
     """Why `spec` is not an `OnCalendar=` line systemd would take, or None.
 

@@ -17,6 +17,7 @@ newline or other control characters at all; those are rejected, never mangled.
 from __future__ import annotations
 
 import enum
+import functools
 import re
 
 _SAFE_WORD = re.compile(r"[A-Za-z0-9_@+=:,./-]+")
@@ -30,6 +31,8 @@ class Context(enum.Enum):
     ENV_ASSIGNMENT = "env"  # one NAME=value word of Environment=
     PLAIN = "plain"  # the whole value of a setting without word splitting
     NO_SPECIFIERS = "literal"  # like PLAIN, for a setting systemd reads without resolving `%` specifiers
+
+    __hash__ = object.__hash__  # members are singletons; Enum's own hash is Python code, paid on every cached escape
 
 
 class UnrepresentableError(ValueError):
@@ -48,6 +51,7 @@ def _quote(word: str) -> str:
     return '"' + "".join(out) + '"'
 
 
+@functools.lru_cache(maxsize=4096)  # pure; a big manifest repeats paths, prefixes, addresses
 def escape(value: str, context: Context) -> str:
     """Return `value` as unit-file text that systemd reads back as exactly `value`."""
     if "\x00" in value:
@@ -73,4 +77,4 @@ def escape(value: str, context: Context) -> str:
 
 def exec_line(argv: list[str]) -> str:
     """Join a command's arguments into one `ExecStart=` value."""
-    return " ".join(escape(arg, Context.EXEC_ARG) for arg in argv)
+    return " ".join([escape(arg, Context.EXEC_ARG) for arg in argv])
