@@ -647,7 +647,9 @@ def history(targets: tuple[str, ...], prefix: str | None, as_json: bool, limit: 
 
     What is kept is what the runs recorded: the newest `history` (manifest;
     `--history` of `run`) occurrences, and the last run made without
-    --schedule (marked manual). Exit 6 if JOB has no state at all.
+    --schedule (marked manual). Occurrences skipped while the job was paused
+    are listed too (from the kept pauses and the schedule). Exit 6 if JOB has
+    no state at all.
     """
     from datetime import datetime, timezone
 
@@ -658,7 +660,9 @@ def history(targets: tuple[str, ...], prefix: str | None, as_json: bool, limit: 
     if len(jobs) != 1:
         raise UsageError("history takes one JOB, after an optional MANIFEST")
     kv_prefix = prefix or (loaded.kv_prefix if loaded else "consulrun")
-    rows = past.runs(Client(consul_config(consul, loaded.consul if loaded else None)), kv_prefix, jobs[0], limit)
+    schedules = next((job.schedules for job in loaded.jobs if job.name == jobs[0]), ()) if loaded else ()
+    rows = past.runs(Client(consul_config(consul, loaded.consul if loaded else None)), kv_prefix, jobs[0], limit,
+                     schedules=schedules)
     if as_json:
         click.echo(_json({"prefix": kv_prefix, "job": jobs[0], "runs": rows}, compact=False))
         return
