@@ -703,7 +703,7 @@ def pause(targets: tuple[str, ...], all_jobs: bool, for_ms: int | None, reason: 
           **consul: str | None) -> None:
     """Pause JOBs on every node: their runs skip (exit with the skip code) until `resume` or --for ends.
 
-    One Consul write for all of them; the skip path stays free of writes.
+    One Consul write for all of them (batches beyond Consul's 128 operations); the skip path stays free of writes.
     """
     from consulrun import pause as pausing
 

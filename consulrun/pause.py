@@ -116,19 +116,39 @@ def _filing_ops(base: str, entry: dict[str, Any] | None, filed: list[str], now: 
     name = f"{base}/{EPISODES}{value.get('at') or '?'}~{entry['ModifyIndex']}"
     keep = sorted({*filed, name}, key=_filed_order)
     ops = [kv_op("check-index", pause_key(base), Index=int(entry["ModifyIndex"])), kv_op("set", name, _ended(value, now))]
-    return ops + [kv_op("delete", old) for old in keep[:max(0, len(keep) - KEPT_EPISODES)]]
+    return ops + [kv_op("delete", old) for old in keep[:max(0, len(keep) - KEPT_EPISODES)][:20]]
+
+
+MAX_TXN_OPS = 128  # Consul refuses a transaction of more operations
+
+
+def _batches(per_job: list[tuple[str, list[dict[str, Any]]]]) -> list[tuple[list[str], list[dict[str, Any]]]]:
+    """Jobs' operations packed into as few transactions as Consul allows; one job's never split."""
+    out: list[tuple[list[str], list[dict[str, Any]]]] = []
+    for base, ops in per_job:
+        if not ops:
+            continue
+        if not out or len(out[-1][1]) + len(ops) > MAX_TXN_OPS:
+            out.append(([], []))
+        out[-1][0].append(base)
+        out[-1][1].extend(ops)
+    return out
 
 
 def _apply(client: Client, jobs: list[str], prefix: str, ops_for: Any, what: str) -> None:
-    """Read each job's pause key and episodes, then apply one transaction built from them; again if one changed."""
+    """Read each job's pause key and episodes, then write what `ops_for` makes of them: one transaction (one
+    Raft write) while Consul's limit allows, else one per batch; a job whose pause changed meanwhile, again."""
+    pending = [f"{prefix}/{job}" for job in jobs]
     for _ in range(5):
-        bases = [f"{prefix}/{job}" for job in jobs]
-        found = client.read_trees([p for base in bases for p in (pause_key(base), f"{base}/{EPISODES}")], consistent=True)
-        ops: list[dict[str, Any]] = []
-        for base in bases:
-            filed = [k for k in found if k.startswith(f"{base}/{EPISODES}")]
-            ops += ops_for(base, found.get(pause_key(base)), filed)
-        if not ops or client.txn(ops) is not None:
+        found: dict[str, dict[str, Any]] = {}
+        for n in range(0, len(pending), MAX_TXN_OPS // 2):
+            found.update(client.read_trees([p for base in pending[n:n + MAX_TXN_OPS // 2]
+                                            for p in (pause_key(base), f"{base}/{EPISODES}")], consistent=True))
+        per_job = [(base, ops_for(base, found.get(pause_key(base)), [k for k in found
+                                                                     if k.startswith(f"{base}/{EPISODES}")]))
+                   for base in pending]
+        pending = [base for bases, ops in _batches(per_job) if client.txn(ops) is None for base in bases]
+        if not pending:
             return
     raise ConsulProtocolError(f"Consul refused the {what} transaction (the pause keys kept changing; try again)")
 
@@ -174,22 +194,24 @@ def episodes(keys: dict[str, dict[str, Any]], now: datetime) -> list[dict[str, A
 
 
 def skipped(found: list[dict[str, Any]], schedules: list[str], ran: set[str], now: datetime,
-            limit: int) -> list[tuple[str, dict[str, Any]]]:
+            limit: int, after: datetime | None = None) -> list[tuple[str, dict[str, Any]]]:
     """(occurrence, episode) for the newest `limit` occurrences of `schedules` that fell inside a pause and that
     no node ran, newest first.
 
     Counted from the episode's start (its second included) to its end
     (excluded); looked for backwards, so a long pause of a dense schedule
-    costs `limit` steps, not one per occurrence.
+    costs `limit` steps, not one per occurrence. Only occurrences later than
+    `after` count.
     """
     out: list[tuple[str, dict[str, Any]]] = []
     if not schedules:
         return out
     for episode in found:
+        start = max(episode["start"], after + timedelta(seconds=1)) if after else episode["start"]
         cursor = (episode["end"] or now) - timedelta(seconds=1)
         while len(out) < limit:
-            when = calendar.previous(schedules, cursor) if cursor >= episode["start"] else None
-            if when is None or when < episode["start"]:
+            when = calendar.previous(schedules, cursor) if cursor >= start else None
+            if when is None or when < start:
                 break
             if calendar.occurrence_id(when) not in ran:
                 out.append((calendar.occurrence_id(when), episode))
@@ -209,8 +231,9 @@ def since(keys: dict[str, dict[str, Any]], schedules: list[str], last: str | Non
     found = episodes(keys, now)
     if not found or not schedules:
         return [], False
+    after = _when(last) if last else None
     skips = [{"occurrence": occ, "paused": {k: e.get(k) for k in ("by", "at", "reason", "until", "ended", "ended_by")}}
-             for occ, e in skipped(found, schedules, set(), now, limit) if last is None or occ > str(last)]
+             for occ, e in skipped(found, schedules, set(), now, limit, after)]
     due = calendar.previous(schedules, now - timedelta(seconds=lag_s))
     return skips, due is not None and (last is None or calendar.occurrence_id(due) > str(last)) and \
         covers(found, due, now)

@@ -257,3 +257,17 @@ def test_occurrences_skipped_while_paused_are_derived_exactly_and_are_not_missed
     del later["ended-pauses/2026-01-01T00:00:05Z~7"]
     judged = status.judge_job("j", later, None, judge, datetime(2026, 1, 1, 0, 1, 25, tzinfo=timezone.utc), 0)
     assert [p["kind"] for p in judged.problems] == ["missed"]  # without the pause, 00:00:20 was missed
+
+
+def test_pause_and_resume_of_more_jobs_than_one_transaction_holds(consul: Agent) -> None:
+    """Consul refuses a transaction of more than 128 operations: many jobs go in batches, each job's keys together."""
+    from consulrun.consulapi import Client, ConsulConfig
+    from consulrun.pause import pause, resume
+
+    client = Client(ConsulConfig.from_env({}, address=consul.http_addr))
+    jobs = [f"job{n:03d}" for n in range(150)]
+    pause(client, "consulrun", jobs, for_ms=None, reason="first")
+    pause(client, "consulrun", jobs, for_ms=None, reason="second")  # three operations a job: files the first
+    resume(client, "consulrun", jobs)
+    keys = requests.get(f"{consul.url}/v1/kv/consulrun/", params={"recurse": "true", "keys": "true"}, timeout=10).json()
+    assert len(keys) == 2 * len(jobs) and all("/ended-pauses/" in key for key in keys)
