@@ -74,9 +74,9 @@ def skipped_rows(keys: dict[str, dict[str, Any]], rows: list[dict[str, Any]], sc
     ran = {str(r["occurrence"]) for r in rows if r["occurrence"]}
     out = []
     for occurrence, episode in pause.skipped(pause.episodes(keys, now), list(schedules), ran, now, limit):
-        kept = {k: episode.get(k) for k in ("by", "at", "reason", "until", "ended", "ended_by")}
         out.append({**{name: None for name in FIELDS}, "occurrence": occurrence, "state": "skipped",
-                    "takeover": False, "manual": False, "reason": pause.why(episode), "paused": kept})
+                    "takeover": False, "manual": False, "reason": pause.why(episode),
+                    "paused": {k: episode.get(k) for k in pause.EPISODE_FIELDS}})
     return out
 
 

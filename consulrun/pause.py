@@ -30,6 +30,7 @@ from consulrun.errors import ConsulProtocolError
 
 EPISODES = "ended-pauses/"
 KEPT_EPISODES = 20
+EPISODE_FIELDS = ("by", "at", "reason", "until", "ended", "ended_by")
 
 
 def pause_key(base: str) -> str:
@@ -232,7 +233,7 @@ def since(keys: dict[str, dict[str, Any]], schedules: list[str], last: str | Non
     if not found or not schedules:
         return [], False
     after = _when(last) if last else None
-    skips = [{"occurrence": occ, "paused": {k: e.get(k) for k in ("by", "at", "reason", "until", "ended", "ended_by")}}
+    skips = [{"occurrence": occ, "paused": {k: e.get(k) for k in EPISODE_FIELDS}}
              for occ, e in skipped(found, schedules, set(), now, limit, after)]
     due = calendar.previous(schedules, now - timedelta(seconds=lag_s))
     return skips, due is not None and (last is None or calendar.occurrence_id(due) > str(last)) and \
