@@ -647,7 +647,9 @@ def history(targets: tuple[str, ...], prefix: str | None, as_json: bool, limit: 
 
     What is kept is what the runs recorded: the newest `history` (manifest;
     `--history` of `run`) occurrences, and the last run made without
-    --schedule (marked manual). Exit 6 if JOB has no state at all.
+    --schedule (marked manual). Occurrences skipped while the job was paused
+    are listed too (from the kept pauses and the schedule). Exit 6 if JOB has
+    no state at all.
     """
     from datetime import datetime, timezone
 
@@ -658,7 +660,9 @@ def history(targets: tuple[str, ...], prefix: str | None, as_json: bool, limit: 
     if len(jobs) != 1:
         raise UsageError("history takes one JOB, after an optional MANIFEST")
     kv_prefix = prefix or (loaded.kv_prefix if loaded else "consulrun")
-    rows = past.runs(Client(consul_config(consul, loaded.consul if loaded else None)), kv_prefix, jobs[0], limit)
+    schedules = next((job.schedules for job in loaded.jobs if job.name == jobs[0]), ()) if loaded else ()
+    rows = past.runs(Client(consul_config(consul, loaded.consul if loaded else None)), kv_prefix, jobs[0], limit,
+                     schedules=schedules)
     if as_json:
         click.echo(_json({"prefix": kv_prefix, "job": jobs[0], "runs": rows}, compact=False))
         return
@@ -699,7 +703,7 @@ def pause(targets: tuple[str, ...], all_jobs: bool, for_ms: int | None, reason: 
           **consul: str | None) -> None:
     """Pause JOBs on every node: their runs skip (exit with the skip code) until `resume` or --for ends.
 
-    One Consul write for all of them; the skip path stays free of writes.
+    One Consul write for all of them (batches beyond Consul's 128 operations); the skip path stays free of writes.
     """
     from consulrun import pause as pausing
 

@@ -4,6 +4,10 @@ Each `history/<occurrence>` entry (and the live `occurrence` record) is one
 occurrence; its `earlier` list holds the attempts that were lost or abandoned
 before a takeover, so every attempt becomes one row. A run made without
 `--schedule` leaves only the lock's `last` value: it is listed as manual.
+
+Occurrences skipped while the job was paused left no record (the skip path
+writes nothing): they are derived from the pause episodes and the schedule
+(the manifest's, else the one the runs stored), and listed as `skipped`.
 """
 
 from __future__ import annotations
@@ -11,11 +15,12 @@ from __future__ import annotations
 from datetime import datetime, timezone
 from typing import Any
 
+from consulrun import pause
 from consulrun.consulapi import Client, decoded
 from consulrun.status import NoState, parse_time, probe, seconds_between
 
 FIELDS = ("occurrence", "attempt", "node", "started", "ended", "duration_s", "exit_status", "state", "takeover",
-          "manual", "reason", "session")
+          "manual", "reason", "session", "paused")
 
 
 def _row(record: dict[str, Any], **overrides: Any) -> dict[str, Any]:
@@ -39,14 +44,47 @@ def _attempts(record: dict[str, Any]) -> list[dict[str, Any]]:
     return rows
 
 
-def runs(client: Client, prefix: str, job: str, limit: int) -> list[dict[str, Any]]:
-    """The newest `limit` runs of `job`; NoState if it has no state at all, PermissionDenied if ACLs hide any."""
+def runs(client: Client, prefix: str, job: str, limit: int, schedules: tuple[str, ...] = (),
+         now: datetime | None = None) -> list[dict[str, Any]]:
+    """The newest `limit` runs of `job`, and occurrences skipped while it was paused (by `schedules`, else by
+    the schedule its runs stored); NoState if it has no state at all, PermissionDenied if ACLs hide any."""
     base = f"{prefix.strip('/')}/{job}/"
     _, entries = client.kv_tree(base)
     if not entries:
         probe(client, base + "occurrence")
         raise NoState(f"job {job!r} has no state under {prefix.strip('/')}/ in Consul (wrong job name or --prefix?)")
-    return rows_of({e["Key"][len(base):]: e for e in entries})[:limit]
+    keys = {e["Key"][len(base):]: e for e in entries}
+    rows = rows_of(keys)
+    rows += skipped_rows(keys, rows, schedules or stored_schedule(keys), now or datetime.now(timezone.utc), limit)
+    return newest_first(rows)[:limit]
+
+
+def stored_schedule(keys: dict[str, dict[str, Any]]) -> tuple[str, ...]:
+    """The schedule the newest run recorded (the live record, else the newest history entry), or ()."""
+    for key in ["occurrence", *sorted((k for k in keys if k.startswith("history/")), reverse=True)]:
+        stored = decoded(keys.get(key)).get("schedule")
+        if isinstance(stored, list) and stored and all(isinstance(spec, str) for spec in stored):
+            return tuple(stored)
+    return ()
+
+
+def skipped_rows(keys: dict[str, dict[str, Any]], rows: list[dict[str, Any]], schedules: tuple[str, ...],
+                 now: datetime, limit: int) -> list[dict[str, Any]]:
+    """A row per occurrence that fell inside a pause and that no node ran (newest `limit`)."""
+    ran = {str(r["occurrence"]) for r in rows if r["occurrence"]}
+    out = []
+    for occurrence, episode in pause.skipped(pause.episodes(keys, now), list(schedules), ran, now, limit):
+        out.append({**{name: None for name in FIELDS}, "occurrence": occurrence, "state": "skipped",
+                    "takeover": False, "manual": False, "reason": pause.why(episode),
+                    "paused": {k: episode.get(k) for k in pause.EPISODE_FIELDS}})
+    return out
+
+
+def newest_first(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """By start (a skipped occurrence, which never started, by its scheduled time), then attempt."""
+    oldest = datetime.min.replace(tzinfo=timezone.utc)
+    return sorted(rows, key=lambda r: (parse_time(r["started"] or r["occurrence"]) or oldest, r["attempt"] or 0),
+                  reverse=True)
 
 
 def rows_of(keys: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
@@ -67,9 +105,7 @@ def rows_of(keys: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
         last = decoded(entry).get("last") if key == "lock" or key.startswith("slots/") else None
         if isinstance(last, dict) and last.get("session") not in sessions:
             rows.append(_row(last, manual=True))  # a run without --schedule: no occurrence record
-    rows.sort(key=lambda r: (parse_time(r["started"]) or datetime.min.replace(tzinfo=timezone.utc),
-                             r["attempt"] or 0), reverse=True)
-    return rows
+    return newest_first(rows)
 
 
 def table(rows: list[dict[str, Any]], now: datetime) -> list[list[str]]:
@@ -77,13 +113,16 @@ def table(rows: list[dict[str, Any]], now: datetime) -> list[list[str]]:
 
     out = [["OCCURRENCE", "ATTEMPT", "NODE", "STARTED", "DURATION", "RESULT", "NOTE"]]
     for r in rows:
-        if r["state"] in ("lost", "abandoned", "running"):
+        if r["state"] == "skipped":
+            result = f"skipped ({r['reason']})"
+        elif r["state"] in ("lost", "abandoned", "running"):
             result = r["state"]
         else:
             result = f"exit {r['exit_status']}" if r["exit_status"] is not None else (r["state"] or "?")
         notes = [n for n, on in (("takeover", r["takeover"]), ("manual", r["manual"])) if on]
-        if r["reason"]:
+        if r["reason"] and r["state"] != "skipped":
             notes.append(str(r["reason"]))
-        out.append([r["occurrence"] or "-", str(r["attempt"] or "-"), r["node"] or "?", cell(r["started"], now),
+        out.append([r["occurrence"] or "-", str(r["attempt"] or "-"),
+                    r["node"] or ("-" if r["state"] == "skipped" else "?"), cell(r["started"], now),
                     span(r["duration_s"]) if r["duration_s"] is not None else "-", result, "; ".join(notes) or "-"])
     return out

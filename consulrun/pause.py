@@ -5,6 +5,16 @@ force (no `until`, or `until` still ahead) every node skips the job; the
 runner reads it in the same read-only transaction as the lock and the
 occurrence record, so the skip path stays one round trip and no Raft write.
 A pause with `until` ends by itself: nothing needs to delete the key.
+
+When a pause ends, it is kept as an episode, `<prefix>/<job>/ended-pauses/<at>~<index>`
+({"by", "at", "reason", "until", "ended", "ended_by"}), so `history` and
+`status` can name the occurrences it skipped. Skipping writes nothing, so those
+are derived, not recorded: the schedule's occurrences inside an episode that no
+node ran. `resume` writes the episode in the transaction that deletes the key;
+a pause that ended by itself stays in its key (readers take an expired key for
+an ended episode) until the next `pause` or `resume` of the job files it.
+The newest KEPT_EPISODES are kept. The name does not begin with `pause`, so
+the runner's read of the pause key (a get-tree) never carries the episodes.
 """
 
 from __future__ import annotations
@@ -14,8 +24,13 @@ import socket
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
+from consulrun import calendar
 from consulrun.consulapi import Client, decoded, kv_op
 from consulrun.errors import ConsulProtocolError
+
+EPISODES = "ended-pauses/"
+KEPT_EPISODES = 20
+EPISODE_FIELDS = ("by", "at", "reason", "until", "ended", "ended_by")
 
 
 def pause_key(base: str) -> str:
@@ -51,6 +66,11 @@ def describe(value: dict[str, Any]) -> str:
     return f"paused by {value.get('by', '?')} at {value.get('at', '?')}{until}{reason}"
 
 
+def why(value: dict[str, Any]) -> str:
+    """Who paused, and why: `paused by alice@ops1: database migration`."""
+    return f"paused by {value.get('by', '?')}" + (f": {value['reason']}" if value.get("reason") else "")
+
+
 def who() -> str:
     try:
         user = getpass.getuser()
@@ -63,6 +83,77 @@ def _iso(when: datetime) -> str:
     return when.astimezone(timezone.utc).isoformat(timespec="seconds").replace("+00:00", "Z")
 
 
+def _when(text: Any) -> datetime | None:
+    try:
+        when = datetime.fromisoformat(str(text).replace("Z", "+00:00"))
+    except ValueError:
+        return None
+    return when if when.tzinfo else when.replace(tzinfo=timezone.utc)
+
+
+def _ended(value: dict[str, Any], now: datetime) -> dict[str, Any]:
+    """`value` (a pause key's) as an ended episode: at `until` if it ran out by itself, else now, by whoever ends it."""
+    until = _when(value.get("until"))
+    if until is not None and until <= now:
+        return {**value, "ended": _iso(until)}
+    return {**value, "ended": _iso(now), "ended_by": who()}
+
+
+def _filed_order(key: str) -> tuple[str, int]:
+    """Filed episodes oldest first: by start, then by the pause key's index (two pauses in one second)."""
+    at, _, index = key.rpartition("~")
+    return at, int(index) if index.isdigit() else 0
+
+
+def _filing_ops(base: str, entry: dict[str, Any] | None, filed: list[str], now: datetime) -> list[dict[str, Any]]:
+    """Operations that file the pause in `entry` (the key as read) as an episode, and prune the oldest ones.
+
+    The key's ModifyIndex is checked, so a pause changed since it was read
+    fails the whole transaction instead of being filed wrong.
+    """
+    if entry is None:
+        return []
+    value = value_of(entry) or {}
+    name = f"{base}/{EPISODES}{value.get('at') or '?'}~{entry['ModifyIndex']}"
+    keep = sorted({*filed, name}, key=_filed_order)
+    ops = [kv_op("check-index", pause_key(base), Index=int(entry["ModifyIndex"])), kv_op("set", name, _ended(value, now))]
+    return ops + [kv_op("delete", old) for old in keep[:max(0, len(keep) - KEPT_EPISODES)][:20]]
+
+
+MAX_TXN_OPS = 128  # Consul refuses a transaction of more operations
+
+
+def _batches(per_job: list[tuple[str, list[dict[str, Any]]]]) -> list[tuple[list[str], list[dict[str, Any]]]]:
+    """Jobs' operations packed into as few transactions as Consul allows; one job's never split."""
+    out: list[tuple[list[str], list[dict[str, Any]]]] = []
+    for base, ops in per_job:
+        if not ops:
+            continue
+        if not out or len(out[-1][1]) + len(ops) > MAX_TXN_OPS:
+            out.append(([], []))
+        out[-1][0].append(base)
+        out[-1][1].extend(ops)
+    return out
+
+
+def _apply(client: Client, jobs: list[str], prefix: str, ops_for: Any, what: str) -> None:
+    """Read each job's pause key and episodes, then write what `ops_for` makes of them: one transaction (one
+    Raft write) while Consul's limit allows, else one per batch; a job whose pause changed meanwhile, again."""
+    pending = [f"{prefix}/{job}" for job in jobs]
+    for _ in range(5):
+        found: dict[str, dict[str, Any]] = {}
+        for n in range(0, len(pending), MAX_TXN_OPS // 2):
+            found.update(client.read_trees([p for base in pending[n:n + MAX_TXN_OPS // 2]
+                                            for p in (pause_key(base), f"{base}/{EPISODES}")], consistent=True))
+        per_job = [(base, ops_for(base, found.get(pause_key(base)), [k for k in found
+                                                                     if k.startswith(f"{base}/{EPISODES}")]))
+                   for base in pending]
+        pending = [base for bases, ops in _batches(per_job) if client.txn(ops) is None for base in bases]
+        if not pending:
+            return
+    raise ConsulProtocolError(f"Consul refused the {what} transaction (the pause keys kept changing; try again)")
+
+
 def pause(client: Client, prefix: str, jobs: list[str], *, for_ms: int | None, reason: str | None,
           now: datetime | None = None) -> dict[str, Any]:
     """Pause `jobs` in one transaction (one Raft write); returns the value written."""
@@ -72,12 +163,88 @@ def pause(client: Client, prefix: str, jobs: list[str], *, for_ms: int | None, r
         value["reason"] = reason
     if for_ms:
         value["until"] = _iso(now + timedelta(milliseconds=for_ms))
-    if client.txn([kv_op("set", pause_key(f"{prefix}/{job}"), value) for job in jobs]) is None:
-        raise ConsulProtocolError("Consul refused the pause transaction")
+    _apply(client, jobs, prefix, lambda base, entry, filed: [*_filing_ops(base, entry, filed, now),
+                                                              kv_op("set", pause_key(base), value)], "pause")
     return value
 
 
-def resume(client: Client, prefix: str, jobs: list[str]) -> None:
-    """End the pause of `jobs` in one transaction (deleting a key that is absent is no error)."""
-    if client.txn([kv_op("delete", pause_key(f"{prefix}/{job}")) for job in jobs]) is None:
-        raise ConsulProtocolError("Consul refused the resume transaction")
+def resume(client: Client, prefix: str, jobs: list[str], now: datetime | None = None) -> None:
+    """End the pause of `jobs` in one transaction, filing each as an episode (a job not paused is no error)."""
+    now = now or datetime.now(timezone.utc)
+    _apply(client, jobs, prefix, lambda base, entry, filed: [
+        *_filing_ops(base, entry, filed, now), *([kv_op("delete", pause_key(base))] if entry else [])], "resume")
+
+
+def episodes(keys: dict[str, dict[str, Any]], now: datetime) -> list[dict[str, Any]]:
+    """A job's pauses, newest first, from its keys (key below `<prefix>/<job>/` -> KV entry).
+
+    Each has `start` and `end` (datetimes; `end` is None while the pause is in
+    force): the filed episodes, and the pause key itself, ended at `until` if
+    it ran out by itself.
+    """
+    found = [decoded(entry) for key, entry in keys.items() if key.startswith(EPISODES)]
+    current = value_of(keys.get("pause"))
+    if current:
+        found.append(current if in_force(current, now) else {**current, "ended": current.get("until")})
+    out = []
+    for value in found:
+        start = _when(value.get("at"))
+        if start is not None:
+            out.append({**value, "start": start, "end": _when(value.get("ended")) if value.get("ended") else None})
+    return sorted(out, key=lambda e: e["start"], reverse=True)
+
+
+def skipped(found: list[dict[str, Any]], schedules: list[str], ran: set[str], now: datetime,
+            limit: int, after: datetime | None = None) -> list[tuple[str, dict[str, Any]]]:
+    """(occurrence, episode) for the newest `limit` occurrences of `schedules` that fell inside a pause and that
+    no node ran, newest first.
+
+    Counted from the episode's start (its second included) to its end
+    (excluded); looked for backwards, so a long pause of a dense schedule
+    costs `limit` steps, not one per occurrence. Only occurrences later than
+    `after` count.
+    """
+    out: list[tuple[str, dict[str, Any]]] = []
+    if not schedules:
+        return out
+    for episode in found:
+        start = max(episode["start"], after + timedelta(seconds=1)) if after else episode["start"]
+        cursor = (episode["end"] or now) - timedelta(seconds=1)
+        while len(out) < limit:
+            when = calendar.previous(schedules, cursor) if cursor >= start else None
+            if when is None or when < start:
+                break
+            if calendar.occurrence_id(when) not in ran:
+                out.append((calendar.occurrence_id(when), episode))
+            cursor = when - timedelta(seconds=1)
+    return out
+
+
+def covers(found: list[dict[str, Any]], when: datetime, now: datetime) -> bool:
+    """True if `when` fell inside one of the pauses `found`."""
+    return any(e["start"] <= when < (e["end"] or now) for e in found)
+
+
+def since(keys: dict[str, dict[str, Any]], schedules: list[str], last: str | None, lag_s: float, now: datetime,
+          limit: int = 10) -> tuple[list[dict[str, Any]], bool]:
+    """For `status`: (the newest occurrences skipped while paused after the last claimed one, `last`; whether the
+    latest occurrence due, `lag_s` ago, fell inside a pause, so that not claiming it was no miss)."""
+    found = episodes(keys, now)
+    if not found or not schedules:
+        return [], False
+    after = _when(last) if last else None
+    skips = [{"occurrence": occ, "paused": {k: e.get(k) for k in EPISODE_FIELDS}}
+             for occ, e in skipped(found, schedules, set(), now, limit, after)]
+    due = calendar.previous(schedules, now - timedelta(seconds=lag_s))
+    return skips, due is not None and (last is None or calendar.occurrence_id(due) > str(last)) and \
+        covers(found, due, now)
+
+
+def skipped_lines(job: str, skips: list[dict[str, Any]]) -> list[str]:
+    """`nightly: skipped while paused by alice@ops1: migration: 2026-11-30T02:00:00Z, ...` (newest first)."""
+    groups: dict[tuple[Any, ...], list[str]] = {}
+    for skip in skips:
+        groups.setdefault((skip["paused"].get("at"), skip["paused"].get("by"), skip["paused"].get("reason")),
+                          []).append(skip["occurrence"])
+    return [f"{job}: skipped while {why({'by': by, 'reason': reason})} (from {at}): {', '.join(occurrences)}"
+            for (at, by, reason), occurrences in groups.items()]

@@ -21,7 +21,7 @@ from consulrun import calendar, procinfo
 from consulrun.consulapi import Client, decoded
 from consulrun.errors import ConsulrunError, PermissionDenied
 from consulrun.manifest import Job, Manifest
-from consulrun.pause import in_force as pause_in_force, value_of as pause_value_of
+from consulrun.pause import in_force as pause_in_force, since as pause_skips, value_of as pause_value_of
 
 DEFAULT_GRACE_S = 60.0
 UNKNOWN_ACCURACY_S = 60.0  # systemd's AccuracySec= default, assumed when no manifest says better
@@ -65,6 +65,7 @@ class JobStatus:
     next: str | None = None
     problems: list[dict[str, Any]] = field(default_factory=list)
     paused: dict[str, Any] | None = None  # the pause in force: by, at, reason, until
+    skipped: list[dict[str, Any]] = field(default_factory=list)  # occurrences skipped while paused, since the last
 
     def health(self) -> Health:
         kinds = {PROBLEM_HEALTH[p["kind"]] for p in self.problems}
@@ -275,6 +276,11 @@ def judge_job(name: str, keys: dict[str, dict[str, Any]], manifest: Manifest | N
     expect = Expectations.of(job, record, grace_s) if status.state != "orphaned" else None
     if expect is not None:
         status.next = iso(calendar.following(list(expect.schedules), now))
+        # Occurrences skipped while paused since the last claimed one (without occurrence records, its start).
+        last = (record or {}).get("occurrence") or iso(parse_time((record or {}).get("started")))
+        status.skipped, covered = pause_skips(keys, list(expect.schedules), last, expect.lag_s, now)
+        if covered:  # the latest due occurrence fell in a pause that has ended since: skipped, not missed
+            expect = replace(expect, schedules=())
     paused = pause_value_of(keys.get("pause"))
     if pause_in_force(paused, now):
         status.paused = paused
@@ -339,7 +345,8 @@ def verdict(statuses: list[JobStatus]) -> Health:
 def as_json(prefix: str, statuses: list[JobStatus], health: Health, now: datetime) -> dict[str, Any]:
     return {"prefix": prefix, "verdict": health.name.lower(), "checked_at": iso(now), "jobs": [
         {"job": s.job, "state": s.state, "in_manifest": s.in_manifest, "verdict": s.health().name.lower(),
-         "problems": s.problems, "holders": s.holders, "last": s.last, "next": s.next, "paused": s.paused}
+         "problems": s.problems, "holders": s.holders, "last": s.last, "next": s.next, "paused": s.paused,
+         "skipped": s.skipped}
         for s in statuses]}
 
 
@@ -379,7 +386,8 @@ def table(statuses: list[JobStatus], now: datetime) -> list[list[str]]:
 
 
 def problem_lines(statuses: list[JobStatus]) -> list[str]:
-    from consulrun.pause import describe
+    from consulrun.pause import describe, skipped_lines
 
     return [f"{s.job}: {p['kind']}: {p['detail']}" for s in statuses for p in s.problems] + \
-        [f"{s.job}: {describe(s.paused)}" for s in statuses if s.paused]
+        [f"{s.job}: {describe(s.paused)}" for s in statuses if s.paused] + \
+        [line for s in statuses for line in skipped_lines(s.job, s.skipped)]

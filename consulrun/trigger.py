@@ -65,9 +65,15 @@ def _wait_free(client: Client, lock_key: str, wait_s: float) -> None:
                                + (" (gave up waiting)" if wait_s else " (--wait waits for it)"))
 
 
+def _pending(client: Client, trigger_key: str, request: dict[str, Any]) -> bool:
+    _, entry = client.kv_get(trigger_key)
+    return bool(entry) and decoded(entry).get("id") == request["id"]
+
+
 def trigger(client: Client, base: str, unit: str, *, wait_s: float,
             start_unit: Callable[[str], subprocess.CompletedProcess[str]]) -> Outcome:
     lock_key, trigger_key = f"{base}/lock", f"{base}/trigger"
+    deadline = time.monotonic() + wait_s
     _, paused = client.kv_get(pause_key(base))
     if paused is not None and in_force(value_of(paused)):
         raise NotTriggered(f"the job is {describe(value_of(paused) or {})}; resume it first; not triggered")
@@ -83,7 +89,13 @@ def trigger(client: Client, base: str, unit: str, *, wait_s: float,
         raise NotTriggered(f"another trigger is pending: {decoded(pending)}; not triggered")
     stop = {sig: signal.signal(sig, _stopped) for sig in (signal.SIGTERM, signal.SIGHUP)}
     try:
-        started = start_unit(unit)
+        while True:
+            started = start_unit(unit)
+            if started.returncode != 0 or time.monotonic() >= deadline or not _pending(client, trigger_key, request):
+                break
+            # `systemctl start` joined a run the unit's timer had just begun, which ran (or skipped) its occurrence
+            # and left the request alone: with time left to wait, start the unit again for it once the lock is free.
+            _wait_free(client, lock_key, max(0.0, deadline - time.monotonic()))
     finally:
         for sig, handler in stop.items():
             signal.signal(sig, handler)

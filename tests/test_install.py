@@ -402,24 +402,31 @@ def test_per_job_unit_settings_and_shell_reach_the_running_job(node: Container) 
 # --- three nodes over ssh ------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def three_nodes(consul_bin: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[list[Container], Network, Path]]:
-    """Three booted nodes on one bridge, sshd in each, Consul server on node1 and clients on node2/3."""
+@contextmanager
+def ssh_cluster(consul_bin: str, workdir: Path, subnet: str, tag: str) -> Iterator[tuple[list[Container], Network, Path]]:
+    """Three booted nodes on one bridge, sshd in each, Consul server on node1 and clients on node2/3; all gone after.
+
+    Every node holds the key it accepts, and an ssh config that uses it for the
+    others, so a consulrun on one node can reach another (`trigger --host`).
+    """
     require_tool("ssh")
-    network = Network(3, subnet="10.213.81.0/24", tag="h").up()
-    workdir = tmp_path_factory.mktemp("three")
+    network = Network(3, subnet=subnet, tag=tag).up()
     key = workdir / "id_ed25519"
     subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(key)], check=True)
     nodes: list[Container] = []
     agents: list[subprocess.Popen[bytes]] = []
     try:
         for index in range(3):
-            ctr = Container(f"crh{index + 1}-{os.getpid() % 10000}", workdir, netns=network.namespace(index),
+            ctr = Container(f"cr{tag}{index + 1}-{os.getpid() % 10000}", workdir, netns=network.namespace(index),
                             binds=container_binds())
             nodes.append(ctr)
             ssh_dir = ctr.dir / "upper" / "root" / ".ssh"
             ssh_dir.mkdir(parents=True)
             (ssh_dir / "authorized_keys").write_text(key.with_suffix(".pub").read_text())
+            (ssh_dir / "id_ed25519").write_text(key.read_text())
+            (ssh_dir / "id_ed25519").chmod(0o600)
+            (ssh_dir / "config").write_text("Host *\n  StrictHostKeyChecking no\n  UserKnownHostsFile /dev/null\n"
+                                            "  ConnectTimeout 3\n  LogLevel ERROR\n")
             ssh_dir.chmod(0o700)
             ctr.start()
             ctr.systemctl("start", "ssh.service")
@@ -439,6 +446,12 @@ def three_nodes(consul_bin: str, tmp_path_factory: pytest.TempPathFactory) -> It
         for ctr in nodes:
             ctr.stop()
         network.down()
+
+
+@pytest.fixture(scope="module")
+def three_nodes(consul_bin: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[list[Container], Network, Path]]:
+    with ssh_cluster(consul_bin, tmp_path_factory.mktemp("three"), "10.213.81.0/24", "h") as cluster:
+        yield cluster
 
 
 def ssh_install(network: Network, key: Path, text: str, workdir: Path, hosts: list[str]) -> subprocess.CompletedProcess[str]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import json
 import subprocess
+from datetime import datetime, timedelta
 from pathlib import Path
 
 import pytest
@@ -85,3 +86,92 @@ def test_trigger_runs_once_through_the_unit_beside_its_timer(systemd_container, 
     finally:
         ctr.systemctl("stop", "consulrun-trigjob.timer", "consulrun-trigjob.service", check=False)
         stop_agent_in(ctr, consul_bin, agent)
+
+
+# --- three booted nodes: timers on all three, one trigger -------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def three_timers(consul_bin: str, tmp_path_factory: pytest.TempPathFactory):
+    """Three booted nodes, one Consul cluster, sshd on each (for `trigger --host`)."""
+    from tests.test_install import ssh_cluster
+
+    with ssh_cluster(consul_bin, tmp_path_factory.mktemp("trig3"), "10.213.82.0/24", "g") as cluster:
+        yield cluster
+
+
+def run_log(job: str) -> list[str]:
+    """What the job logs: a start and an end line per run, each with its time, what it ran and where."""
+    mark = f"$(date +%s.%N) ${{CONSULRUN_OCCURRENCE:-manual}} $(hostname) >> /shared/{job}.log"
+    return ["sh", "-c", f"echo start {mark}; sleep 1; echo end {mark}"]
+
+
+@pytest.mark.systemd
+@pytest.mark.parametrize("remote", [False, True], ids=["here", "host"])
+def test_trigger_among_three_nodes_runs_once_as_manual(three_timers, consul_bin: str, remote: bool,
+                                                       request: pytest.FixtureRequest) -> None:
+    """Timers fire every 5 s on three nodes; one trigger (here, or `--host` another node) is one manual run there,
+    recorded as manual with who asked, beside no other run; every scheduled occurrence still runs exactly once."""
+    from tests.conftest import artifact_dir
+    from tests.test_install import CONSULRUN, manifest
+
+    nodes, network, _ = three_timers
+    job = "tri-host" if remote else "tri-here"
+    # lock.wait: an occurrence due while the manual run holds the lock waits for it instead of being skipped.
+    text = manifest({job: {"command": run_log(job), "schedule": "*:*:0/5", "history": 100, "lock": {"wait": "10s"}}})
+    asker, target = (nodes[0], 2) if remote else (nodes[1], 1)
+
+    def lines() -> list[list[str]]:
+        return sorted((line.split() for ctr in nodes if (ctr.shared / f"{job}.log").exists()
+                       for line in (ctr.shared / f"{job}.log").read_text().splitlines()), key=lambda x: float(x[1]))
+
+    def ended(kind: str | None = None) -> list[list[str]]:
+        return [x for x in lines() if x[0] == "end" and (kind is None or (x[2] == "manual") == (kind == "manual"))]
+
+    try:
+        for ctr in nodes:
+            (ctr.shared / f"{job}.yaml").write_text(text)
+            ctr.exec(CONSULRUN, "install", f"/shared/{job}.yaml")
+        wait_for(lambda: len(ended("scheduled")) >= 2, 60, "scheduled runs on the cluster")
+        where = ["--host", f"root@{network.address(target)}"] if remote else []
+        result = asker.exec(CONSULRUN, "trigger", "--wait", "30s", *where, f"/shared/{job}.yaml", job, check=False,
+                            timeout=120)
+        assert result.returncode == 0, result.stdout + result.stderr
+        assert f"{job}: manual run on node{target + 1} " in result.stdout and "exit status 0" in result.stdout
+        manual_end = float(wait_for(lambda: ended("manual"), 30, "the manual run's end line")[0][1])
+        wait_for(lambda: len([x for x in ended("scheduled") if float(x[1]) > manual_end]) >= 2, 60,
+                 "scheduled runs after the manual one")
+    finally:
+        for ctr in nodes:
+            ctr.systemctl("stop", f"consulrun-{job}.timer", check=False)
+        for ctr in nodes:
+            wait_for(lambda: ctr.systemctl("is-active", f"consulrun-{job}.service", check=False).stdout.strip()
+                     not in ("active", "activating", "deactivating"), 60, "the last run to end")
+        artifact_dir(request.node).mkdir(parents=True, exist_ok=True)
+        (artifact_dir(request.node) / "runs.txt").write_text("\n".join(" ".join(x) for x in lines()))
+
+    log = lines()
+    opened = None
+    for event, _, kind, host in log:  # one timeline for the whole cluster (the nodes share the host's clock)
+        assert (event == "start") == (opened is None), f"two runs overlapped at {kind} on {host}: {log}"
+        opened = kind if event == "start" else None
+    manual = [x for x in log if x[0] == "start" and x[2] == "manual"]
+    assert len(manual) == 1 and manual[0][3] == nodes[target].name, log
+
+    exported = json.loads(nodes[0].exec(consul_bin, "kv", "export", f"consulrun/{job}/history/").stdout)
+    history = {e["key"].rsplit("/", 1)[1]: json.loads(base64.b64decode(e["value"])) for e in exported}
+    manual_records = [r for k, r in history.items() if k.endswith("~manual")]
+    assert len(manual_records) == 1, manual_records
+    record = manual_records[0]
+    assert record["manual"] is True and record["state"] == "done" and record["exit_status"] == 0
+    assert record["node"] == f"node{target + 1}"
+    assert record["requested_by"] == f"root@{nodes[target].name}"  # with `--host`, trigger runs on the target
+
+    # Every occurrence from the first run to the last is run once, recorded done; none ran twice.
+    started = [x[2] for x in log if x[0] == "start" and x[2] != "manual"]
+    assert len(started) == len(set(started)), started
+    first, last = (datetime.fromisoformat(started[i].replace("Z", "+00:00")) for i in (0, -1))
+    due = [(first + timedelta(seconds=s)).strftime("%Y-%m-%dT%H:%M:%SZ")
+           for s in range(0, int((last - first).total_seconds()) + 1, 5)]
+    assert started == due, f"scheduled runs {started}, due {due}"
+    assert all(history[occ]["state"] == "done" and not history[occ].get("manual") for occ in due)
