@@ -189,6 +189,11 @@ def test_pinned_fencing_arithmetic() -> None:
     assert stop_timeout_ms(15_000) == 14_000
     short = Fencing.for_lock_delay(5_000, 10_000)
     assert short.kill_by_s == 4.0 and round(short.grace_s, 3) == 1.667
+    # How often the watcher confirms: a third of the time it may go unconfirmed, at most 5 s, at most TTL/3.
+    assert fencing.watch_wait_s == 3.0
+    assert round(short.watch_wait_s, 3) == 0.778
+    assert Fencing.for_lock_delay(60_000, 60_000).watch_wait_s == 5.0
+    assert round(Fencing.for_lock_delay(60_000, 10_000).watch_wait_s, 3) == 3.333
 
 
 def test_wrapper_stopped_past_its_deadline_sigkills_at_once(consul: Agent, tmp_path: Path) -> None:
