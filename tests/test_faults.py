@@ -20,6 +20,7 @@ import pytest
 import requests
 
 from consulrun import calendar
+from consulrun.errors import UsageError
 from consulrun.fencing import Fencing, stop_timeout_ms
 from tests.harness.agents import Agent, wait_for
 from tests.test_run import SKIP, consulrun, finish, lock_entry, pid_alive
@@ -192,8 +193,14 @@ def test_pinned_fencing_arithmetic() -> None:
     # How often the watcher confirms: a third of the time it may go unconfirmed, at most 5 s, at most TTL/3.
     assert fencing.watch_wait_s == 3.0
     assert round(short.watch_wait_s, 3) == 0.778
-    assert Fencing.for_lock_delay(60_000, 60_000).watch_wait_s == 5.0
+    long = Fencing.for_lock_delay(60_000, 60_000)
+    assert (long.grace_s, long.fence_after_s, long.kill_by_s, long.watch_wait_s) == (5.0, 54.0, 59.0, 5.0)
     assert round(Fencing.for_lock_delay(60_000, 10_000).watch_wait_s, 3) == 3.333
+    # Below Consul's own bound the arithmetic refuses (the CLI and the manifest refuse first).
+    with pytest.raises(UsageError) as refused:
+        Fencing.for_lock_delay(4_999, 15_000)
+    assert str(refused.value) == ("lock-delay must be at least 5s: with less, a holder cut off from Consul cannot be "
+                                  "sure to stop its job before another node starts")
 
 
 def test_wrapper_stopped_past_its_deadline_sigkills_at_once(consul: Agent, tmp_path: Path) -> None:
