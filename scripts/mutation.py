@@ -141,11 +141,13 @@ def tests_of(group: dict, subsets: dict[str, list[str]]) -> list[str]:
     return [arg for item in group["tests"] for arg in (subsets[item[1:]] if item.startswith("@") else [item])]
 
 
-def run_group(name: str, group: dict, deadline: float) -> None:
+def run_group(name: str, group: dict, deadline: float, again: bool = False) -> None:
     work = WORK / name
     copy_checkout(work)
     results_path = work / "results.json"
     results: dict = json.loads(results_path.read_text()) if results_path.exists() else {}
+    if again:  # tests were added for the survivors: run those mutants again, against the checkout as it is now
+        results = {key: value for key, value in results.items() if value["status"] != "survived"}
     mutants = [m for rel, names in group["mutate"].items() for m in mutants_of(work, rel, names)]
     todo = [m for m in mutants if m[0] not in results]
     print(f"mutation: {name}: {len(mutants)} mutants, {len(todo)} to run; {len(group['tests'])} test arguments",
@@ -212,6 +214,9 @@ def main(argv: list[str]) -> int:
     groups: dict[str, dict] = config["groups"]
     for group in groups.values():
         group["tests"] = tests_of(group, config.get("subsets", {}))
+    again = argv[:1] == ["--again"]
+    if again:
+        argv = argv[1:]
     if argv[:1] == ["--report"]:
         report({g: groups[g] for g in (argv[1:] or groups)})
         return 0
@@ -220,7 +225,7 @@ def main(argv: list[str]) -> int:
         sys.exit(f"mutation: no group {', '.join(unknown)}; groups: {', '.join(groups)}")
     chosen = {g: groups[g] for g in (argv or groups)}
     for name, group in chosen.items():
-        run_group(name, group, time.monotonic() + BUDGET_S)
+        run_group(name, group, time.monotonic() + BUDGET_S, again)
     report(chosen)
     return 0
 
