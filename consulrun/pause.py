@@ -27,6 +27,7 @@ from typing import Any
 from consulrun import calendar
 from consulrun.consulapi import Client, decoded, kv_op
 from consulrun.errors import ConsulProtocolError
+from consulrun.timefmt import parse_time
 
 EPISODES = "ended-pauses/"
 KEPT_EPISODES = 20
@@ -83,17 +84,9 @@ def _iso(when: datetime) -> str:
     return when.astimezone(timezone.utc).isoformat(timespec="seconds").replace("+00:00", "Z")
 
 
-def _when(text: Any) -> datetime | None:
-    try:
-        when = datetime.fromisoformat(str(text).replace("Z", "+00:00"))
-    except ValueError:
-        return None
-    return when if when.tzinfo else when.replace(tzinfo=timezone.utc)
-
-
 def _ended(value: dict[str, Any], now: datetime) -> dict[str, Any]:
     """`value` (a pause key's) as an ended episode: at `until` if it ran out by itself, else now, by whoever ends it."""
-    until = _when(value.get("until"))
+    until = parse_time(value.get("until"))
     if until is not None and until <= now:
         return {**value, "ended": _iso(until)}
     return {**value, "ended": _iso(now), "ended_by": who()}
@@ -188,9 +181,9 @@ def episodes(keys: dict[str, dict[str, Any]], now: datetime) -> list[dict[str, A
         found.append(current if in_force(current, now) else {**current, "ended": current.get("until")})
     out = []
     for value in found:
-        start = _when(value.get("at"))
+        start = parse_time(value.get("at"))
         if start is not None:
-            out.append({**value, "start": start, "end": _when(value.get("ended")) if value.get("ended") else None})
+            out.append({**value, "start": start, "end": parse_time(value.get("ended")) if value.get("ended") else None})
     return sorted(out, key=lambda e: e["start"], reverse=True)
 
 
@@ -232,7 +225,7 @@ def since(keys: dict[str, dict[str, Any]], schedules: list[str], last: str | Non
     found = episodes(keys, now)
     if not found or not schedules:
         return [], False
-    after = _when(last) if last else None
+    after = parse_time(last) if last else None
     skips = [{"occurrence": occ, "paused": {k: e.get(k) for k in EPISODE_FIELDS}}
              for occ, e in skipped(found, schedules, set(), now, limit, after)]
     due = calendar.previous(schedules, now - timedelta(seconds=lag_s))

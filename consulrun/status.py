@@ -22,6 +22,7 @@ from consulrun.consulapi import Client, decoded
 from consulrun.errors import ConsulrunError, PermissionDenied
 from consulrun.manifest import Job, Manifest
 from consulrun.pause import in_force as pause_in_force, since as pause_skips, value_of as pause_value_of
+from consulrun.timefmt import parse_time
 
 DEFAULT_GRACE_S = 60.0
 UNKNOWN_ACCURACY_S = 60.0  # systemd's AccuracySec= default, assumed when no manifest says better
@@ -77,14 +78,6 @@ class JobStatus:
 
 def iso(when: datetime | None) -> str | None:
     return when.astimezone(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ") if when else None
-
-
-def parse_time(text: Any) -> datetime | None:
-    try:
-        when = datetime.fromisoformat(str(text).replace("Z", "+00:00"))
-    except ValueError:
-        return None
-    return when if when.tzinfo else when.replace(tzinfo=timezone.utc)
 
 
 def seconds_between(start: Any, end: Any) -> float | None:

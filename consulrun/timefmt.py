@@ -5,8 +5,17 @@ JSON keeps absolute UTC; only tables use these.
 
 from __future__ import annotations
 
-from datetime import datetime
+from datetime import datetime, timezone
 from typing import Any
+
+
+def parse_time(text: Any) -> datetime | None:
+    """An ISO 8601 time as Consul records hold it (`...Z`, or naive meaning UTC); None if it is not one."""
+    try:
+        when = datetime.fromisoformat(str(text).replace("Z", "+00:00"))
+    except ValueError:
+        return None
+    return when if when.tzinfo else when.replace(tzinfo=timezone.utc)
 
 
 def span(seconds: float) -> str:
@@ -36,8 +45,6 @@ def local(when: datetime, now: datetime) -> str:
 
 def cell(text: Any, now: datetime) -> str:
     """An ISO time from Consul as `local (relative)`, or `-`; text that is not a time is shown as it is."""
-    from consulrun.status import parse_time
-
     if not text:
         return "-"
     when = parse_time(text)
