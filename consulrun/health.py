@@ -214,8 +214,6 @@ def watchdog(client: Client, prefix: str, watched: Watched | None, *, grace_s: f
             statuses = [state.JobStatus(job=j.name, state="never run", in_manifest=True) for j in (watched.jobs if watched else ())]
         ops, changed = [], []
         for job in statuses:
-            if job.job == WATCHDOG_JOB:
-                continue
             current = checks.pop(check_id(job.job), None)
             want = verdict(job)
             if want is None and current and current.get("Status") != PASSING:

@@ -7,7 +7,6 @@ check-and-set, and writes nothing when nothing changed.
 
 from __future__ import annotations
 
-import json
 import signal
 import sys
 from collections.abc import Iterator
@@ -78,6 +77,12 @@ def test_run_results_set_the_check_in_the_finish_transaction(catalog: Agent, tmp
         assert finish(consulrun("run", *flag, "--schedule", YEARLY, job, "--", "true"))[0] == 0
         deltas[job] = _raft_applied(catalog) - before
     assert deltas["checked"] == deltas["plain"] == 4, deltas
+    # A node that finds the occurrence done still decides with reads only.
+    before = _raft_applied(catalog)
+    code, _, err = finish(consulrun("run", "--health-check", "--skip-exit-code", "42", "--schedule", YEARLY, "checked",
+                                    "--", "true"))
+    assert code == 42 and "already ran on dev1" in err, err
+    assert _raft_applied(catalog) == before
 
     # A run without --schedule sets it too, from the result its lock's value keeps.
     code, _, err = finish(consulrun("run", "--health-check", "adhoc", "--", "sh", "-c", "exit 5"))
