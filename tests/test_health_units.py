@@ -25,7 +25,8 @@ def test_installed_watchdog_marks_a_missed_occurrence_with_no_command_run(consul
                                                                         tmp_path_factory: pytest.TempPathFactory) -> None:
     with agent_node(consul_bin, tmp_path_factory.mktemp("health"), "10.213.87.0/24", "h") as ctr:
         jobs = {"daily": {"command": ["sh", "-c", "exit 3"], "schedule": "*-*-* 00:00:00"},
-                "hourly": {"command": ["true"], "schedule": "*-*-* *:00:00"}}
+                "hourly": {"command": ["true"], "schedule": "*-*-* *:00:00"},
+                "slow": {"command": ["sleep", "600"], "schedule": "*-*-* 00:00:00", "timeout": "2s"}}
         result = install(ctr, manifest(jobs, health_checks=True), "--no-start")
         assert result.returncode == 0, result.stderr
         assert "consulrun-_watchdog.timer" in result.stdout + result.stderr
@@ -41,9 +42,16 @@ def test_installed_watchdog_marks_a_missed_occurrence_with_no_command_run(consul
         assert "the job's Consul health check was not updated" in journal and "job exited with status 3" in journal, journal
 
         ctr.systemctl("start", "consulrun-_watchdog.timer")  # as `install` without --no-start would
-        found = wait_for(lambda: node_checks(ctr) if len(node_checks(ctr)) == 2 else None, 90,
+        found = wait_for(lambda: node_checks(ctr) if len(node_checks(ctr)) == 3 else None, 90,
                          "the watchdog's timer to judge the jobs")
         assert found["hourly"][0] == "critical" and found["hourly"][1].startswith("missed: occurrence "), found
         assert found["daily"][0] == "critical" and "exit status 3" in found["daily"][1], found
+        assert found["slow"] == ["passing", "never run"], found
         runs = ctr.exec("journalctl", "-u", "consulrun-_watchdog.service", "--no-pager", "-o", "cat").stdout
         assert "acquired consulrun/_watchdog/lock for occurrence" in runs and "registered the external node" in runs
+
+        # systemd's TimeoutStartSec= stops a run that outlives its timeout: the run's finish turns the check red.
+        assert ctr.systemctl("start", "consulrun-slow.service", check=False).returncode != 0
+        assert show(ctr, "consulrun-slow.service", "Result")["Result"] == "timeout"
+        status, output = node_checks(ctr)["slow"]
+        assert status == "critical" and "exit status 143" in output, output
