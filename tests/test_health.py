@@ -139,6 +139,7 @@ def test_watchdog_marks_missed_overdue_and_paused_and_otherwise_writes_nothing(c
   never: {command: "true", schedule: "minutely"}
 """, "health_checks: true\n")
     now = datetime.now(timezone.utc)
+    register(catalog)
     assert finish(consulrun("run", "--health-check", "--schedule", YEARLY, "fine", "--", "true"))[0] == 0
     put(catalog, "consulrun/missed/occurrence", {"occurrence": iso(now - timedelta(hours=1)), "state": "done",
                                                  "node": "dev1", "exit_status": 0, "started": iso(now - timedelta(hours=1)),
@@ -148,11 +149,13 @@ def test_watchdog_marks_missed_overdue_and_paused_and_otherwise_writes_nothing(c
     put(catalog, "consulrun/overdue/occurrence", {"occurrence": "2026-01-01T00:00:00Z", "state": "running",
                                                   "node": "dev1", "session": sid, "started": iso(started)})
     assert finish(consulrun("pause", "paused", "--reason", "migration"))[0] == 0
+    fine_index = checks(catalog)["fine"]["ModifyIndex"]
 
     code, _, err = watchdog(manifest, "--grace", "1s")
     assert code == 0, err
     found = checks(catalog)
-    assert found["fine"]["Status"] == "passing"  # as its run left it
+    # As its run left it, not rewritten: the watchdog derives the same output from the same record.
+    assert found["fine"]["Status"] == "passing" and found["fine"]["ModifyIndex"] == fine_index
     assert found["missed"]["Status"] == "critical" and found["missed"]["Output"].startswith("missed: occurrence ")
     assert found["overdue"]["Status"] == "critical"
     assert found["overdue"]["Output"].startswith("overdue: occurrence 2026-01-01T00:00:00Z has run longer than")
