@@ -90,6 +90,12 @@ def test_run_results_set_the_check_in_the_finish_transaction(catalog: Agent, tmp
     assert checks(catalog)["adhoc"]["Status"] == "critical"
     assert checks(catalog)["adhoc"]["Output"].startswith("run started 20")
 
+    # The watchdog agrees with what each run wrote: it rewrites none of them (only "plain" gets a check).
+    written = {name: c["ModifyIndex"] for name, c in checks(catalog).items()}
+    code, _, err = cli("watchdog", "--jobs", "{}")
+    assert code == 0 and "watchdog: check plain: passing" in err, err
+    assert {name: c["ModifyIndex"] for name, c in checks(catalog).items() if name != "plain"} == written
+
 
 def test_lost_and_stopped_runs_turn_the_check_critical(catalog: Agent, tmp_path: Path) -> None:
     register(catalog)
@@ -112,6 +118,10 @@ def test_lost_and_stopped_runs_turn_the_check_critical(catalog: Agent, tmp_path:
     assert finish(stopped)[0] == 128 + signal.SIGTERM
     check = checks(catalog)["slow"]
     assert check["Status"] == "critical" and "exit status 143" in check["Output"], check
+    written = {name: c["ModifyIndex"] for name, c in checks(catalog).items()}
+    code, _, err = cli("watchdog", "--jobs", "{}")
+    assert code == 0 and "watchdog: check" not in err, err  # a lost run's check, too, is what the watchdog says
+    assert {name: c["ModifyIndex"] for name, c in checks(catalog).items()} == written
 
 
 def test_an_unregistered_node_never_costs_the_result(catalog: Agent) -> None:
