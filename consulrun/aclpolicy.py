@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 
-def policy_hcl(kv_prefix: str, service_checks: bool) -> str:
+def policy_hcl(kv_prefix: str, service_checks: bool, health_checks: bool = False) -> str:
     """Rules for `run`, takeover and `status`: the job keys, sessions, and reads for node identity and checks.
 
     `run` reads the agent's own node name (agent read) and its checks (node
     read, service read when a service check is bound); `status` reads session
-    and node health, which the same rules allow. Nothing else is granted.
+    and node health, which the same rules allow. With health checks, write on
+    the prefix's external node and its service, by exact name: the finish sets
+    a job's check (a service check: service write), the watchdog registers the
+    node (node write). Nothing else is granted.
     """
+    from consulrun.health import node_name
+
     prefix = kv_prefix.strip("/") + "/"
     rules = [
         f'# consulrun: what nodes need to run, take over and report jobs under "{prefix}"',
@@ -20,4 +25,9 @@ def policy_hcl(kv_prefix: str, service_checks: bool) -> str:
     ]
     if service_checks:
         rules.append('service_prefix "" {\n  policy = "read"\n}')
+    if health_checks:
+        name = node_name(kv_prefix)
+        rules += [f'# the jobs\' health checks: the external node "{name}" and its service',
+                  f'node "{name}" {{\n  policy = "write"\n}}',
+                  f'service "{name}" {{\n  policy = "write"\n}}']
     return "\n".join(rules) + "\n"

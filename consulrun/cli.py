@@ -27,6 +27,8 @@ from consulrun.schema import name_problem, schedule_problem
 if TYPE_CHECKING:
     from consulrun.manifest import Manifest
 
+WATCHDOG_JOB = "_watchdog"  # consulrun.health.WATCHDOG_JOB, kept here so `run` imports nothing more
+
 EXIT_CODES_HELP = """
 \b
 Exit statuses:
@@ -178,12 +180,15 @@ def _read_manifest(manifest: Path) -> tuple["Manifest", str]:
 @click.option("--ping-url", metavar="URL",
               help="Healthchecks.io-style monitor: URL/start when the job starts here, then URL (exit 0), "
                    "URL/<status> or URL/fail (lost). A skipping node sends nothing; a failed ping never fails the job.")
+@click.option("--health-check", is_flag=True,
+              help="Also set the job's Consul health check (on the prefix's external node) from the result, "
+                   "in the same transaction; if Consul refuses the check, the result is recorded without it.")
 @consul_options
 @click.argument("job")
 @click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
 def run(job: str, command: tuple[str, ...], prefix: str, ttl: int, lock_delay: int, checks: tuple[str, ...],
         wait: int, concurrency: int, skip_exit_code: int, schedules: tuple[str, ...], on_holder_loss: str,
-        history: int, ping_url: str | None, **consul: str | None) -> None:
+        history: int, ping_url: str | None, health_check: bool, **consul: str | None) -> None:
     """Run COMMAND for JOB on this node only if this node gets JOB's Consul lock.
 
     \b
@@ -199,7 +204,7 @@ def run(job: str, command: tuple[str, ...], prefix: str, ttl: int, lock_delay: i
     every process of the job (also those that left its process group) is
     killed and the status is 75; the lock is never released while one lives.
     """
-    problem = name_problem(job)
+    problem = name_problem(job) if job != WATCHDOG_JOB else None  # the watchdog's own lock: see `watchdog`
     if problem:
         raise UsageError(problem)
     if schedules and concurrency != 1:
@@ -229,7 +234,8 @@ def run(job: str, command: tuple[str, ...], prefix: str, ttl: int, lock_delay: i
                     concurrency=concurrency)
     _setup_logging()
     request = RunRequest(spec=spec, command=command, skip_exit_code=skip_exit_code, schedules=schedules,
-                         on_holder_loss=on_holder_loss, history=history, ping_url=ping_url)
+                         on_holder_loss=on_holder_loss, history=history, ping_url=ping_url,
+                         health_check=health_check)
     sys.exit(run_job(request, consul_config(consul)))
 
 
@@ -621,6 +627,42 @@ def _read_text(path: Path) -> tuple[str, str]:
         raise UsageError(f"{path}: not UTF-8 text (byte {exc.start})") from None
 
 
+@main.command()
+@click.argument("manifest", required=False, type=click.Path(allow_dash=True, path_type=Path))
+@click.option("--prefix", type=KvPrefix(), default=None,
+              help="KV prefix [default: the manifest's kv_prefix, else consulrun].")
+@click.option("--jobs", "jobs_json", metavar="JSON", default=None,
+              help="The jobs' schedules and timeouts as the watchdog unit carries them (instead of MANIFEST).")
+@click.option("--grace", type=Duration(), default="60s", show_default=True,
+              help="How long past its time (plus accuracy and randomized delay) an occurrence may stay unclaimed.")
+@consul_options
+def watchdog(manifest: Path | None, prefix: str | None, jobs_json: str | None, grace: int,
+             **consul: str | None) -> None:
+    """Bring every job's Consul health check in line with `status`: missed, overdue, dead holders, pauses.
+
+    Registers the prefix's external node and service if missing, then writes
+    (check-and-set) only the checks whose status or output changes. The
+    units `generate` makes for `health_checks: true` run it once a minute
+    on one node, under a consulrun lock (job `_watchdog`).
+    """
+    from consulrun import health
+    from consulrun.consulapi import Client
+
+    if (manifest is None) == (jobs_json is None):
+        raise UsageError("give MANIFEST or --jobs (the watchdog unit passes --jobs)")
+    loaded = _read_manifest(manifest)[0] if manifest else None
+    try:
+        watched = health.Watched.from_manifest(loaded) if loaded else health.Watched.from_json(jobs_json or "")
+    except ValueError as exc:
+        raise UsageError(f"--jobs: {exc}") from None
+    kv_prefix = prefix if prefix is not None else (loaded.kv_prefix if loaded else "consulrun")
+    _setup_logging()
+    client = Client(consul_config(consul, loaded.consul if loaded else None), label="watchdog")
+    report = health.watchdog(client, kv_prefix, watched, grace_s=grace / 1000)
+    for line in report.changed:
+        logging.getLogger("consulrun").info("watchdog: check %s", line)
+
+
 @main.command("acl-policy")
 @click.argument("manifest", required=False, type=click.Path(allow_dash=True, path_type=Path))
 @click.option("--prefix", type=KvPrefix(), default=None,
@@ -633,7 +675,8 @@ def acl_policy(manifest: Path | None, prefix: str | None) -> None:
     kv_prefix = prefix if prefix is not None else (loaded.kv_prefix if loaded else "consulrun")
     # A bound check may be a service check; reading those needs service read, so grant it only then.
     service_checks = bool(loaded) and any(job.lock.checks for job in loaded.jobs)
-    click.echo(policy_hcl(kv_prefix, service_checks=service_checks), nl=False)
+    click.echo(policy_hcl(kv_prefix, service_checks=service_checks,
+                          health_checks=bool(loaded) and loaded.health_checks), nl=False)
 
 
 @main.command()

@@ -32,6 +32,14 @@ class SessionInvalid(ConsulProtocolError):
     """Consul no longer knows the session a write named (it expired or was destroyed): make a new one."""
 
 
+class _ChecksRefused(Exception):
+    """Consul refused a transaction for its health-check operations only (not its KV operations)."""
+
+    def __init__(self, why: str) -> None:
+        super().__init__(why)
+        self.why = why
+
+
 def _truthy(value: str | None) -> bool | None:
     if value is None or value == "":
         return None
@@ -260,6 +268,7 @@ class Client:
         if socket_path:
             self._api.http.session.mount("http://", UnixSocketAdapter(socket_path))
         self.address = f"unix://{socket_path}" if socket_path else f"{scheme}://{host}:{port}"
+        self.label = label
 
     def _translated(self, what: str) -> Any:
         return translated(f"{what} via {self.address}")
@@ -296,16 +305,37 @@ class Client:
         with self._translated(f"releasing {key}"):
             return bool(self._api.kv.put(key, value, release=session))
 
-    def txn(self, ops: list[dict[str, Any]]) -> list[dict[str, Any]] | None:
+    def txn(self, ops: list[dict[str, Any]], *, optional_checks: bool = False) -> list[dict[str, Any]] | None:
         """Apply `ops` atomically; the results, or None if Consul rolled the transaction back.
 
         A rollback because our session no longer exists raises SessionInvalid:
-        it is neither a lost race nor Consul being unavailable.
+        it is neither a lost race nor Consul being unavailable. With
+        `optional_checks`, a transaction refused only because of its `Check`
+        operations (the external health node not registered yet, a token
+        without the catalog rights) is applied again without them, with one
+        warning: a job's health check must never cost the run its result.
         """
+        try:
+            return self._txn(ops)
+        except _ChecksRefused as refused:
+            if not optional_checks:
+                if "Permission denied" in refused.why or "ACL not found" in refused.why:
+                    raise PermissionDenied(f"applying a transaction via {self.address}: Consul ACL denied it: "
+                                           f"{refused.why}") from None
+                return None
+            logging.getLogger("consulrun").warning(
+                "%sthe job's Consul health check was not updated (%s); the result is recorded without it",
+                f"{self.label}: " if self.label else "", refused.why)
+            return self._txn([op for op in ops if "Check" not in op])
 
+    def _txn(self, ops: list[dict[str, Any]]) -> list[dict[str, Any]] | None:
         def answer(response: Any) -> list[dict[str, Any]] | None:
             if response.code == 409:
-                errors = [e.get("What") or "" for e in json.loads(response.body or "{}").get("Errors") or []]
+                found = json.loads(response.body or "{}").get("Errors") or []
+                if found and all("Check" in ops[int(e.get("OpIndex") or 0)] for e in found
+                                 if int(e.get("OpIndex") or 0) < len(ops)):
+                    raise _ChecksRefused("; ".join(e.get("What") or "" for e in found))
+                errors = [e.get("What") or "" for e in found]
                 if any("invalid session" in what for what in errors):
                     raise SessionInvalid("Consul no longer knows the session: " + errors[0])
                 if any("Permission denied" in what or "ACL not found" in what for what in errors):
@@ -403,6 +433,17 @@ class Client:
         """The session, None if it does not exist; PermissionDenied if ACLs hid it."""
         _, found = self._visible("reading a session", f"/v1/session/info/{session}", [])
         return found[0] if found else None
+
+    def catalog_node(self, node: str) -> dict[str, Any] | None:
+        """The catalog's entry for `node` ({"Node", "Services"}), None if it is not registered."""
+        _, found = self._visible(f"reading the catalog entry of node {node}", f"/v1/catalog/node/{node}", [])
+        return found or None
+
+    def catalog_register(self, registration: dict[str, Any]) -> None:
+        """Register (or update) a node and its service in the catalog: one Raft write."""
+        with self._translated(f"registering {registration.get('Node')} in the catalog"):
+            self._api.http.put(consul.callback.CB.boolean(), "/v1/catalog/register",
+                               headers=self._api.prepare_headers(), data=json.dumps(registration))
 
     def node_checks(self, node: str) -> list[dict[str, Any]]:
         """Every check of `node`; PermissionDenied if ACLs hid any of them."""

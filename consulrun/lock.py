@@ -351,18 +351,23 @@ class Locker:
                 self.sleep(pause)
                 index = None
 
-    def release(self, held: Held, outcome: dict[str, Any], extra_ops: list[dict[str, Any]] | None = None) -> bool:
+    def release(self, held: Held, outcome: dict[str, Any], extra_ops: list[dict[str, Any]] | None = None,
+                check: Callable[[dict[str, Any]], dict[str, Any]] | None = None) -> bool:
         """Free the key (recording how the run ended in its value), with `extra_ops` in the same transaction.
 
-        True if released; False if the lock was no longer ours (Consul rolled
-        the transaction back). Transient failures raise ConsulUnavailable: the
-        caller retries. The session is not destroyed here (see `abandon`).
+        `check` makes the job's health check operation from the run's record
+        as the value keeps it; Consul refusing only that operation never
+        keeps the result from being recorded. True if released; False if the
+        lock was no longer ours (Consul rolled the transaction back).
+        Transient failures raise ConsulUnavailable: the caller retries. The
+        session is not destroyed here (see `abandon`).
         """
         # The run's own end time wins, so the lock's value and the occurrence record agree.
         value = {"state": "free", "last": {**held.value, "ended": now_iso(), **outcome}}
         try:
             return self.client.txn([kv_op("unlock", held.key, value, Session=held.session),
-                                    *(extra_ops or [])]) is not None
+                                    *(extra_ops or []), *([check(value["last"])] if check else [])],
+                                   optional_checks=True) is not None
         except SessionInvalid:  # our session was invalidated: the lock is not ours to release
             return False
 

@@ -84,6 +84,7 @@ class Manifest:
     kv_prefix: str
     consul: ConsulSettings
     jobs: tuple[Job, ...]
+    health_checks: bool = False  # each job's state as a Consul health check, and the watchdog units
 
 
 class _Problems:
@@ -387,6 +388,7 @@ def _build(source: str, data: dict[str, Any], problems: _Problems) -> Manifest:
         kv_prefix=data.get("kv_prefix", "consulrun"),
         consul=ConsulSettings(**data.get("consul", {})),
         jobs=tuple(jobs),
+        health_checks=bool(data.get("health_checks", False)),
     )
 
 

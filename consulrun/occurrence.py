@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
 
-from consulrun import calendar, pause, testhook
+from consulrun import calendar, health, pause, testhook
 from consulrun.consulapi import Client, decoded, kv_op
 from consulrun.errors import ConsulrunError, ConsulUnavailable, UsageError
 from consulrun.lock import Held, Locker, LockDelayRetry, clock, describe_holder, now_iso
@@ -81,8 +81,12 @@ class Snapshot:
 class Ledger:
     """Reads and writes one job's occurrence record and history."""
 
-    def __init__(self, client: Client, base: str, history_size: int) -> None:
+    def __init__(self, client: Client, base: str, history_size: int, health_prefix: str | None = None) -> None:
+        """`health_prefix`: the KV prefix whose external node holds the job's health check, which every result
+        written here then updates in the same transaction (see the health module); None: no check."""
         self.client = client
+        self.job = base.rsplit("/", 1)[-1]
+        self.health_prefix = health_prefix
         self.record_key = f"{base}/occurrence"
         self.lock_key = f"{base}/lock"
         self.history_prefix = f"{base}/history/"
@@ -160,7 +164,11 @@ class Ledger:
             _, entries = self.client.kv_get(self.history_prefix, recurse=True)
         except ConsulrunError:  # pruning can wait for the next run; recording the result cannot
             entries = []
-        return ops + self.prune_ops(entries or [], keep=self.history_prefix + claim["occurrence"])
+        return ops + self.prune_ops(entries or [], keep=self.history_prefix + claim["occurrence"]) + self.health_ops(done)
+
+    def health_ops(self, record: dict[str, Any]) -> list[dict[str, Any]]:
+        """The job's health check set from `record`, last in the transaction (dropped if Consul refuses it)."""
+        return [health.finish_op(self.health_prefix, self.job, record)] if self.health_prefix else []
 
     def prune_ops(self, entries: list[dict[str, Any]], keep: str) -> list[dict[str, Any]]:
         """Deletes of the oldest history entries beyond the limit, occurrences and manual runs counted apart;
@@ -177,7 +185,7 @@ class Ledger:
         """Record `record`'s attempt as lost/abandoned, only if the record is still at `record_index`."""
         final = _final(record, state, reason)
         return [kv_op("cas", self.record_key, final, Index=record_index),
-                kv_op("set", self.history_prefix + record["occurrence"], final)]
+                kv_op("set", self.history_prefix + record["occurrence"], final), *self.health_ops(final)]
 
     def record_index_after_claim(self, held: Held) -> int:
         """The record's ModifyIndex as our claim left it (from the claim transaction's results)."""
@@ -296,7 +304,7 @@ def _step(locker: Locker, ledger: Ledger, occ: Occurrence, policy: str, deadline
                             f"(exit status {record.get('exit_status', '?')})")
     if state == "dead" and policy == "skip":
         ops = ledger.failed_ops(record, snap.record_index, "abandoned", ABANDONED_REASON)
-        if locker.client.txn(ops) is not None:
+        if locker.client.txn(ops, optional_checks=True) is not None:
             log.info("%s: occurrence %s was abandoned by %s; recorded", locker.spec.job, occ.id, record.get("node"))
         return None
     if state in ("running", "failed", "dead") and policy == "skip":

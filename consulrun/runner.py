@@ -25,7 +25,7 @@ from datetime import datetime, timezone
 from types import FrameType
 from typing import Any, Callable
 
-from consulrun import notify, occurrence, testhook
+from consulrun import health, notify, occurrence, testhook
 from consulrun.child import Job, become_subreaper
 from consulrun.consulapi import Client, ConsulConfig
 from consulrun.errors import ConsulrunError, ConsulUnavailable, ExitCode, JobNotStarted, UsageError
@@ -46,6 +46,7 @@ class RunRequest:
     on_holder_loss: str = "skip"
     history: int = 20
     ping_url: str | None = None  # Healthchecks.io-style monitor (notify.py)
+    health_check: bool = False  # the result also sets the job's Consul health check (health.py)
 
 
 class _Signals:
@@ -226,7 +227,8 @@ def _acquire_with_retries(request: RunRequest, locker: Locker) -> tuple[Held | N
             occ = occurrence.current(list(request.schedules), datetime.now(timezone.utc))
             if occ is None:
                 raise UsageError("the schedule has no occurrence at or before now; nothing to run")
-            ledger = occurrence.Ledger(locker.client, spec.base, request.history)
+            ledger = occurrence.Ledger(locker.client, spec.base, request.history,
+                                       health_prefix=spec.prefix if request.health_check else None)
             held, claim, why = occurrence.acquire(locker, ledger, occ, request.on_holder_loss, spec.wait_ms / 1000)
             return held, ledger, claim, why
         except ConsulUnavailable as exc:
@@ -312,7 +314,8 @@ def _run_held(request: RunRequest, locker: Locker, held: Held, fencing: Fencing,
             testhook.pause("releasing")
             # Stopping (systemctl stop) leaves TimeoutStopSec=: after a termination signal, retry only briefly.
             _close(locker, held, ledger, claim, outcome, stopping=lambda: signals.first_at,
-                   stop_budget_s=fencing.kill_by_s - fencing.grace_s)
+                   stop_budget_s=fencing.kill_by_s - fencing.grace_s,
+                   check=_health_check(request) if ledger is None else None)
         else:
             locker.session = None  # never destroy it: the lock must outlive the job's processes
         pings.finish(outcome)  # last: a slow monitor never delays killing the job or releasing the lock
@@ -367,9 +370,17 @@ def _job_gone(job: Job | None, name: str) -> bool:
 FINISH_RETRY_S = 30.0
 
 
+def _health_check(request: RunRequest) -> Callable[[dict[str, Any]], dict[str, Any]] | None:
+    """For a run without --schedule: the check operation its release carries (with it, the ledger's own)."""
+    if not request.health_check:
+        return None
+    spec = request.spec
+    return lambda last: health.finish_op(spec.prefix, spec.job, last)
+
+
 def _close(locker: Locker, held: Held, ledger: occurrence.Ledger | None, claim: dict[str, Any] | None,
            outcome: dict[str, Any], stopping: Callable[[], float | None] = lambda: None,
-           stop_budget_s: float = 0.0) -> None:
+           stop_budget_s: float = 0.0, check: Callable[[dict[str, Any]], dict[str, Any]] | None = None) -> None:
     """Record the outcome and release, retrying transient failures for a bounded time; destroy the session.
 
     A completed run that could not be recorded would be re-run by a `retry`
@@ -390,7 +401,7 @@ def _close(locker: Locker, held: Held, ledger: occurrence.Ledger | None, claim: 
             give_up, shortened = min(give_up, signalled_at + stop_budget_s), True
         try:
             locker.keep_alive()
-            if _record_and_release(locker, held, ledger, claim, outcome):
+            if _record_and_release(locker, held, ledger, claim, outcome, check):
                 log.info("%s: released %s", job, held.key)
             break
         except ConsulUnavailable as exc:
@@ -413,11 +424,11 @@ def _close(locker: Locker, held: Held, ledger: occurrence.Ledger | None, claim: 
 
 
 def _record_and_release(locker: Locker, held: Held, ledger: occurrence.Ledger | None, claim: dict[str, Any] | None,
-                        outcome: dict[str, Any]) -> bool:
+                        outcome: dict[str, Any], check: Callable[[dict[str, Any]], dict[str, Any]] | None = None) -> bool:
     """One attempt; True if the lock was released by it (or by an earlier attempt whose answer was lost)."""
     job = locker.spec.job
     if not (ledger and claim):
-        if locker.release(held, outcome):
+        if locker.release(held, outcome, check=check):
             return True
         log.warning("%s: the lock was no longer ours when the job ended; its value keeps the holder", job)
         return False
@@ -453,7 +464,7 @@ def _record_and_release(locker: Locker, held: Held, ledger: occurrence.Ledger | 
     if this_attempt and record.get("state") in ("running", "abandoned"):
         # The lock is gone (our session ended) but nobody took the occurrence over: record what really happened,
         # also over another node's "abandoned" guess.
-        if locker.client.txn(ops_at(snap.record_index)) is not None:
+        if locker.client.txn(ops_at(snap.record_index), optional_checks=True) is not None:
             log.warning("%s: the lock was no longer ours when the job ended; the result is recorded (%s)", job,
                         "lost" if failed else f"exit status {outcome.get('exit_status')}")
             return False

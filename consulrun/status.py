@@ -15,14 +15,16 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta, timezone
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from consulrun import calendar, procinfo
 from consulrun.consulapi import Client, decoded
 from consulrun.errors import ConsulrunError, PermissionDenied
-from consulrun.manifest import Job, Manifest
 from consulrun.pause import in_force as pause_in_force, since as pause_skips, value_of as pause_value_of
 from consulrun.timefmt import parse_time
+
+if TYPE_CHECKING:  # `run` (the health check of its finish) must not pay for the manifest validator
+    from consulrun.manifest import Job, Manifest
 
 DEFAULT_GRACE_S = 60.0
 UNKNOWN_ACCURACY_S = 60.0  # systemd's AccuracySec= default, assumed when no manifest says better
@@ -143,7 +145,7 @@ def _jobs_from_entries(base: str, entries: list[dict[str, Any]]) -> dict[str, di
     jobs: dict[str, dict[str, dict[str, Any]]] = {}
     for entry in entries:
         rest = entry["Key"][len(base):].split("/", 1)
-        if len(rest) == 2 and rest[0]:
+        if len(rest) == 2 and rest[0] and not rest[0].startswith("_"):  # "_watchdog": consulrun's own, not a job
             jobs.setdefault(rest[0], {})[rest[1]] = entry
     return jobs
 

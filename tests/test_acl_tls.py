@@ -44,26 +44,71 @@ def _token_file(tmp_path: Path, name: str, secret: str) -> Path:
     return path
 
 
-def _policy(prefix: str, service_read: bool) -> str:
+def _policy(prefix: str, service_read: bool, health_node: str | None = None) -> str:
     """The whole least-privilege policy, written out by hand: any rule added or widened fails the comparison."""
     return (f'# consulrun: what nodes need to run, take over and report jobs under "{prefix}"\n'
             f'key_prefix "{prefix}" {{\n  policy = "write"\n}}\n'
             'session_prefix "" {\n  policy = "write"\n}\n'
             'agent_prefix "" {\n  policy = "read"\n}\n'
             'node_prefix "" {\n  policy = "read"\n}\n'
-            + ('service_prefix "" {\n  policy = "read"\n}\n' if service_read else ""))
+            + ('service_prefix "" {\n  policy = "read"\n}\n' if service_read else "")
+            + (f'# the jobs\' health checks: the external node "{health_node}" and its service\n'
+               f'node "{health_node}" {{\n  policy = "write"\n}}\n'
+               f'service "{health_node}" {{\n  policy = "write"\n}}\n' if health_node else ""))
 
 
-@pytest.mark.parametrize(("args", "prefix", "service_read"), [
-    ([], "consulrun/", False),
-    ([str(REPO / "examples" / "jobs.yaml")], "consulrun/", False),
-    ([str(REPO / "tests" / "golden" / "tls-and-checks" / "manifest.yaml")], "ops/cron/", True),
-    (["--prefix", "team/jobs"], "team/jobs/", False),
-], ids=["no-manifest", "example", "service-checks", "prefix"])
-def test_acl_policy_is_exactly_the_documented_policy(args: list[str], prefix: str, service_read: bool) -> None:
+@pytest.mark.parametrize(("args", "prefix", "service_read", "health_node"), [
+    ([], "consulrun/", False, None),
+    ([str(REPO / "examples" / "jobs.yaml")], "consulrun/", False, "consulrun"),
+    ([str(REPO / "tests" / "golden" / "tls-and-checks" / "manifest.yaml")], "ops/cron/", True, None),
+    ([str(REPO / "tests" / "golden" / "health" / "manifest.yaml")], "team/jobs/", False, "team-jobs"),
+    (["--prefix", "team/jobs"], "team/jobs/", False, None),
+], ids=["no-manifest", "example", "service-checks", "health-checks", "prefix"])
+def test_acl_policy_is_exactly_the_documented_policy(args: list[str], prefix: str, service_read: bool,
+                                                      health_node: str | None) -> None:
     result = CliRunner().invoke(main, ["acl-policy", *args])
     assert (result.exit_code, result.stderr) == (0, "")
-    assert result.stdout == _policy(prefix, service_read)
+    assert result.stdout == _policy(prefix, service_read, health_node)
+
+
+def test_health_check_rights_come_from_the_policy_and_their_lack_costs_no_result(acl_agent: tuple[Agent, str],
+                                                                                 tmp_path: Path) -> None:
+    """With the health rules, the watchdog registers the external node and a run sets its check; a token made
+    from the policy without them (health_checks off when it was made) still runs and records its result."""
+    agent, management = acl_agent
+    manifest = tmp_path / "jobs.yaml"
+    manifest.write_text('health_checks: true\njobs:\n  acljob: {command: "true", schedule: "*-01-01 00:00:00 UTC"}\n')
+    env = {"CONSUL_HTTP_ADDR": agent.http_addr}
+    for name, args in (("with", [str(manifest)]), ("without", [])):
+        rules = CliRunner().invoke(main, ["acl-policy", *args]).stdout
+        _acl(agent, management, "PUT", "acl/policy", {"Name": name, "Rules": rules})
+        secret = _acl(agent, management, "PUT", "acl/token", {"Policies": [{"Name": name}]})["SecretID"]
+        env[name] = str(_token_file(tmp_path, name, secret))
+    run = ["run", "--health-check", "--schedule", "*-01-01 00:00:00 UTC"]
+
+    code, _, err = finish(consulrun(run[0], *run[1:], "weak", "--", "true",
+                                    env={**env, "CONSUL_HTTP_TOKEN_FILE": env["without"]}))
+    assert code == 0, err
+    warnings = [line for line in err.splitlines() if "health check" in line]
+    assert len(warnings) == 1 and warnings[0].startswith(
+        "consulrun: weak: the job's Consul health check was not updated (Permission denied: ") and \
+        "lacks permission 'service:write' on \"consulrun\"); the result is recorded without it" in warnings[0], err
+    record = requests.get(f"{agent.url}/v1/kv/consulrun/weak/occurrence?raw", headers={"X-Consul-Token": management},
+                          timeout=10).json()
+    assert record["state"] == "done" and record["exit_status"] == 0
+    code, _, err = finish(consulrun("watchdog", str(manifest), env={**env, "CONSUL_HTTP_TOKEN_FILE": env["without"]}))
+    assert code == 77 and err.count("\n") == 1 and 'node "consulrun" and service "consulrun" write' in err, err
+
+    strong = {**env, "CONSUL_HTTP_TOKEN_FILE": env["with"]}
+    code, _, err = finish(consulrun("watchdog", str(manifest), env=strong))
+    assert code == 0 and "registered the external node consulrun" in err, err
+    code, _, err = finish(consulrun(*run, "acljob", "--", "true", env=strong))
+    assert code == 0 and "health check" not in err, err
+    found = requests.get(f"{agent.url}/v1/health/checks/consulrun", headers={"X-Consul-Token": management},
+                         timeout=10).json()
+    # The watchdog made a check for each job it saw (weak's from its record); the run then set acljob's.
+    assert sorted((c["Name"], c["Status"]) for c in found) == [("acljob", "passing"), ("weak", "passing")]
+    assert next(c for c in found if c["Name"] == "acljob")["Output"].startswith("occurrence 2026-01-01T00:00:00Z ran on")
 
 
 def test_acl_policy_token_runs_skips_takes_over_and_reports(acl_agent: tuple[Agent, str], tmp_path: Path) -> None:

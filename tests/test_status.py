@@ -385,7 +385,9 @@ def test_acl_policy_is_least_privilege() -> None:
     assert 'key_prefix "consulrun/" {\n  policy = "write"\n}' in out
     assert 'session_prefix "" {\n  policy = "write"\n}' in out
     assert 'node_prefix "" {\n  policy = "read"\n}' in out
-    assert "service_prefix" not in out and out.count('policy = "write"') == 2
+    # Writes: the job keys, sessions, and (health_checks) the external node and its service, each by exact name.
+    assert "service_prefix" not in out and out.count('policy = "write"') == 4
+    assert 'node "consulrun" {\n  policy = "write"\n}' in out and 'service "consulrun" {\n  policy = "write"\n}' in out
     code, out, _ = cli("acl-policy", str(REPO / "tests" / "golden" / "tls-and-checks" / "manifest.yaml"))
     assert 'key_prefix "ops/cron/"' in out and 'service_prefix "" {\n  policy = "read"\n}' in out
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import json
+import re
 import signal
 import subprocess
 import tempfile
@@ -12,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import require_tool
-from tests.harness.agents import Agent, wait_for
+from tests.harness.agents import Agent, start_dev_agent, wait_for
 from tests.test_run import consulrun, finish, lock_entry
 
 pytestmark = pytest.mark.consul
@@ -54,3 +55,40 @@ def test_ui_shows_job_key_holder_node_and_session(consul: Agent, tmp_path: Path,
     finally:
         holder.send_signal(signal.SIGTERM)
         finish(holder)
+
+
+def test_ui_shows_a_failing_jobs_check_red_and_a_passing_ones_green(consul_bin: str, tmp_path: Path,
+                                                                      artifacts: Path) -> None:
+    """The checks runs set (health_checks), on the Nodes and Services pages, as the UI's own DOM classes say."""
+    # The UI follows with blocking queries; headless Chromium's virtual time stands still while one is open,
+    # so this agent answers them within a second.
+    agent = start_dev_agent(consul_bin, tmp_path, name="ui1", extra_config={
+        "disable_coordinates": True, "default_query_time": "1s", "max_query_time": "2s"})
+    try:
+        env = {"CONSUL_HTTP_ADDR": agent.http_addr}
+        manifest = tmp_path / "jobs.yaml"
+        manifest.write_text("health_checks: true\njobs:\n"
+                            '  billing-report: {command: "true", schedule: "*-*-* 02:00:00"}\n'
+                            '  cache-warm: {command: "true", schedule: "*:0/5"}\n')
+        code, _, err = finish(consulrun("watchdog", str(manifest), env=env))
+        assert code == 0 and "registered the external node consulrun" in err, err
+        for job, command in (("billing-report", "true"), ("cache-warm", "exit 3")):
+            code, _, err = finish(consulrun("run", "--health-check", "--schedule", "*-*-* 02:00:00", job, "--",
+                                            "sh", "-c", command, env=env))
+            assert code == (0 if command == "true" else 3), err
+        url = f"{agent.url}/ui/dc1/nodes/consulrun/health-checks"
+        dom = chromium(url, "--dump-dom").stdout
+        (artifacts / "node-health-checks.html").write_text(dom)
+        shown = dict((name, status) for status, name in
+                     re.findall(r'<li class="health-check-output (\w+)">\s*<div>\s*<header>\s*<h2>([^<]+)</h2>', dom))
+        assert shown == {"billing-report": "passing", "cache-warm": "critical"}, shown
+        assert "exit status 3" in dom and "ran on ui1" in dom  # the output names node and exit status
+        services = chromium(f"{agent.url}/ui/dc1/services", "--dump-dom").stdout
+        (artifacts / "services.html").write_text(services)
+        assert re.search(r'<dl class="critical">\s*<dt>\s*Health\s*</dt>.*?<a href="/ui/dc1/services/consulrun">',
+                         services, re.S), "the consulrun service is not shown critical"
+        shot = artifacts / "health-checks.png"
+        result = chromium(url, f"--screenshot={shot}")
+        assert shot.exists() and shot.stat().st_size > 10_000, result.stderr[-2000:]
+    finally:
+        agent.stop()

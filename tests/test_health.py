@@ -1,0 +1,233 @@
+"""Each job's health as a Consul health check, against a real Consul agent.
+
+Runs set the check in their finish transaction (no extra Raft write); the
+watchdog marks what only a clock sees (missed, overdue, paused) with
+check-and-set, and writes nothing when nothing changed.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+from collections.abc import Iterator
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from consulrun import health
+from consulrun.consulapi import Client, ConsulConfig
+from tests.harness.agents import Agent, wait_for
+from tests.test_run import _raft_applied, consulrun, finish, lock_entry
+from tests.test_status import cli, hold, iso, put, write_manifest
+
+pytestmark = pytest.mark.consul
+
+YEARLY = "*-01-01 00:00:00 UTC"
+
+
+@pytest.fixture
+def catalog(consul: Agent) -> Iterator[Agent]:
+    """The shared agent, with the external nodes a test registers removed afterwards (wipe() keeps the catalog)."""
+    yield consul
+    for node in consul.get("catalog/nodes"):
+        if (node.get("Meta") or {}).get("external-node") == "true":
+            consul.api("PUT", "catalog/deregister", json={"Node": node["Node"]})
+
+
+def checks(agent: Agent, node: str = "consulrun") -> dict[str, dict[str, Any]]:
+    return {c["Name"]: c for c in agent.get(f"health/node/{node}")}
+
+
+def register(agent: Agent, prefix: str = "consulrun") -> None:
+    health.ensure_registered(Client(ConsulConfig(address=agent.http_addr)), prefix)
+
+
+def watchdog(manifest: Path, *args: str) -> tuple[int, str, str]:
+    return cli("watchdog", str(manifest), *args)
+
+
+# --- What a run's finish writes -------------------------------------------------------------------------
+
+
+def test_run_results_set_the_check_in_the_finish_transaction(catalog: Agent, tmp_path: Path) -> None:
+    register(catalog)
+    node = catalog.get("catalog/node/consulrun")
+    assert node["Node"]["Meta"]["external-node"] == "true" and node["Node"]["Meta"]["external-probe"] == "false"
+    assert "consulrun" in node["Services"]
+
+    code, _, err = finish(consulrun("run", "--health-check", "--schedule", YEARLY, "green", "--", "true"))
+    assert code == 0, err
+    code, _, err = finish(consulrun("run", "--health-check", "--schedule", YEARLY, "red", "--", "sh", "-c", "exit 3"))
+    assert code == 3, err
+    found = checks(catalog)
+    assert found["green"]["Status"] == "passing" and found["green"]["ServiceID"] == "consulrun"
+    assert found["green"]["CheckID"] == "job:green"
+    occurrence = catalog.get("kv/consulrun/green/occurrence?raw")["occurrence"]
+    output = found["green"]["Output"]
+    assert output.startswith(f"occurrence {occurrence} ran on dev1: exit status 0 after ") and "s (ended 20" in output
+    assert found["red"]["Status"] == "critical" and "exit status 3" in found["red"]["Output"]
+    assert "warning" not in err
+
+    # No extra Raft write: a run with the check costs what a run without it costs.
+    deltas = {}
+    for flag, job in (([], "plain"), (["--health-check"], "checked")):
+        before = _raft_applied(catalog)
+        assert finish(consulrun("run", *flag, "--schedule", YEARLY, job, "--", "true"))[0] == 0
+        deltas[job] = _raft_applied(catalog) - before
+    assert deltas["checked"] == deltas["plain"] == 4, deltas
+    # A node that finds the occurrence done still decides with reads only.
+    before = _raft_applied(catalog)
+    code, _, err = finish(consulrun("run", "--health-check", "--skip-exit-code", "42", "--schedule", YEARLY, "checked",
+                                    "--", "true"))
+    assert code == 42 and "already ran on dev1" in err, err
+    assert _raft_applied(catalog) == before
+
+    # A run without --schedule sets it too, from the result its lock's value keeps.
+    code, _, err = finish(consulrun("run", "--health-check", "adhoc", "--", "sh", "-c", "exit 5"))
+    assert code == 5, err
+    assert checks(catalog)["adhoc"]["Status"] == "critical"
+    assert checks(catalog)["adhoc"]["Output"].startswith("run started 20")
+
+    # The watchdog agrees with what each run wrote: it rewrites none of them (only "plain" gets a check).
+    written = {name: c["ModifyIndex"] for name, c in checks(catalog).items()}
+    code, _, err = cli("watchdog", "--jobs", "{}")
+    assert code == 0 and "watchdog: check plain: passing" in err, err
+    assert {name: c["ModifyIndex"] for name, c in checks(catalog).items() if name != "plain"} == written
+
+
+def test_lost_and_stopped_runs_turn_the_check_critical(catalog: Agent, tmp_path: Path) -> None:
+    register(catalog)
+    started = tmp_path / "started"
+    holder = consulrun("run", "--health-check", "--schedule", YEARLY, "fenced", "--", "sh", "-c",
+                       f"touch {started}; sleep 60")
+    wait_for(started.exists, 20, "the job to start")
+    catalog.api("PUT", f"session/destroy/{lock_entry(catalog, 'consulrun/fenced/lock')['Session']}")
+    code, _, err = finish(holder)
+    assert code == 75, err
+    check = checks(catalog)["fenced"]
+    assert check["Status"] == "critical" and " on dev1 was lost: " in check["Output"], check
+
+    # Stopped by systemd (a timeout, `systemctl stop`): SIGTERM, forwarded to the job, which dies of it.
+    started.unlink()
+    stopped = consulrun("run", "--health-check", "--schedule", YEARLY, "slow", "--", "sh", "-c",
+                        f"touch {started}; sleep 60")
+    wait_for(started.exists, 20, "the job to start")
+    stopped.send_signal(signal.SIGTERM)
+    assert finish(stopped)[0] == 128 + signal.SIGTERM
+    check = checks(catalog)["slow"]
+    assert check["Status"] == "critical" and "exit status 143" in check["Output"], check
+    written = {name: c["ModifyIndex"] for name, c in checks(catalog).items()}
+    code, _, err = cli("watchdog", "--jobs", "{}")
+    assert code == 0 and "watchdog: check" not in err, err  # a lost run's check, too, is what the watchdog says
+    assert {name: c["ModifyIndex"] for name, c in checks(catalog).items()} == written
+
+
+def test_an_unregistered_node_never_costs_the_result(catalog: Agent) -> None:
+    """The check operation fails (no external node yet): the finish is applied without it, one warning line."""
+    code, _, err = finish(consulrun("run", "--health-check", "--schedule", YEARLY, "early", "--", "true"))
+    assert code == 0, err
+    warnings = [line for line in err.splitlines() if "health check" in line]
+    assert len(warnings) == 1 and warnings[0].startswith("consulrun: early: the job's Consul health check was not "
+                                                         "updated ("), err
+    record = catalog.get("kv/consulrun/early/occurrence?raw")
+    assert record["state"] == "done" and record["exit_status"] == 0
+    assert "Session" not in lock_entry(catalog, "consulrun/early/lock")
+    assert catalog.get("session/list") == []
+
+
+# --- The watchdog -------------------------------------------------------------------------------------------
+
+
+def test_watchdog_marks_missed_overdue_and_paused_and_otherwise_writes_nothing(catalog: Agent, tmp_path: Path) -> None:
+    manifest = write_manifest(tmp_path, """
+  fine: {command: "true", schedule: "*-01-01 00:00:00 UTC"}
+  missed: {command: "true", schedule: "minutely"}
+  overdue: {command: "true", schedule: "*-01-01 00:00:00 UTC", timeout: 1m}
+  paused: {command: "true", schedule: "minutely"}
+  never: {command: "true", schedule: "minutely"}
+""", "health_checks: true\n")
+    now = datetime.now(timezone.utc)
+    register(catalog)
+    assert finish(consulrun("run", "--health-check", "--schedule", YEARLY, "fine", "--", "true"))[0] == 0
+    put(catalog, "consulrun/missed/occurrence", {"occurrence": iso(now - timedelta(hours=1)), "state": "done",
+                                                 "node": "dev1", "exit_status": 0, "started": iso(now - timedelta(hours=1)),
+                                                 "ended": iso(now - timedelta(hours=1))})
+    started = now - timedelta(minutes=10)
+    sid = hold(catalog, "overdue", started=iso(started))
+    put(catalog, "consulrun/overdue/occurrence", {"occurrence": "2026-01-01T00:00:00Z", "state": "running",
+                                                  "node": "dev1", "session": sid, "started": iso(started)})
+    assert finish(consulrun("pause", "paused", "--reason", "migration"))[0] == 0
+    fine_index = checks(catalog)["fine"]["ModifyIndex"]
+
+    code, _, err = watchdog(manifest, "--grace", "1s")
+    assert code == 0, err
+    found = checks(catalog)
+    # As its run left it, not rewritten: the watchdog derives the same output from the same record.
+    assert found["fine"]["Status"] == "passing" and found["fine"]["ModifyIndex"] == fine_index
+    assert found["missed"]["Status"] == "critical" and found["missed"]["Output"].startswith("missed: occurrence ")
+    assert found["overdue"]["Status"] == "critical"
+    assert found["overdue"]["Output"].startswith("overdue: occurrence 2026-01-01T00:00:00Z has run longer than")
+    assert found["paused"]["Status"] == "warning" and found["paused"]["Output"].startswith("paused by ")
+    assert "migration" in found["paused"]["Output"] and "missed" not in found["paused"]["Output"]
+    assert found["never"]["Status"] == "passing" and found["never"]["Output"] == "never run"
+
+    # Nothing changed: the watchdog reads, and writes nothing (the run's own check included).
+    before = _raft_applied(catalog)
+    code, _, err = watchdog(manifest, "--grace", "1s")
+    assert code == 0 and "watchdog: check" not in err, err
+    assert _raft_applied(catalog) == before
+
+    # Resumed: the pause line goes; the next run's result replaces the missed verdict, and the watchdog agrees.
+    assert finish(consulrun("resume", "paused"))[0] == 0
+    assert finish(consulrun("run", "--health-check", "--schedule", "minutely", "missed", "--", "true"))[0] == 0
+    assert checks(catalog)["missed"]["Status"] == "passing"
+    code, _, err = watchdog(manifest, "--grace", "1s")
+    assert code == 0, err
+    found = checks(catalog)
+    assert found["missed"]["Status"] == "passing" and "missed:" not in found["missed"]["Output"]
+    assert "paused" not in found["paused"]["Output"]
+
+
+def test_a_run_finishing_while_the_watchdog_judges_wins(catalog: Agent, tmp_path: Path) -> None:
+    """The watchdog reads the checks, a run finishes, the watchdog's check-and-set fails; it judges again."""
+    manifest = write_manifest(tmp_path, '  racer: {command: "true", schedule: "minutely", timeout: 1m}\n',
+                              "health_checks: true\n")
+    register(catalog)
+    now = datetime.now(timezone.utc)
+    put(catalog, "consulrun/racer/occurrence", {"occurrence": iso(now - timedelta(hours=2)), "state": "done",
+                                                "node": "dev1", "exit_status": 0})
+    finished: list[bool] = []
+
+    class RunFinishesMeanwhile(Client):
+        def node_checks(self, node: str) -> list[dict[str, Any]]:
+            seen = super().node_checks(node)
+            if not finished:  # after the watchdog's first look at the checks, a run records its result
+                finished.append(True)
+                assert finish(consulrun("run", "--health-check", "--schedule", "minutely", "racer", "--", "true"))[0] == 0
+            return seen
+
+    from consulrun.manifest import load_manifest
+
+    client = RunFinishesMeanwhile(ConsulConfig(address=catalog.http_addr))
+    report = health.watchdog(client, "consulrun", health.Watched.from_manifest(load_manifest(manifest)), grace_s=1)
+    assert report.changed == []  # its "missed" verdict was older than the run, and judging again found nothing
+    assert checks(catalog)["racer"]["Status"] == "passing"
+
+
+def test_watchdog_runs_under_its_own_lock_as_its_unit_runs_it(catalog: Agent, tmp_path: Path) -> None:
+    manifest = write_manifest(tmp_path, '  job1: {command: "true", schedule: "minutely"}\n', "health_checks: true\n")
+    from consulrun.manifest import load_manifest
+    from consulrun.render import watchdog_job
+
+    job = watchdog_job(load_manifest(manifest), "consulrun")
+    argv = ["run", "--schedule", job.schedules[0], "--history", "1", job.name, "--",
+            sys.executable, "-m", "consulrun", *job.command[1:]]
+    code, _, err = finish(consulrun(*argv))
+    assert code == 0, err
+    assert checks(catalog)["job1"]["Output"] == "never run"
+    code, _, err = finish(consulrun(*argv))
+    assert code == 0 and "skipped: occurrence" in err, err  # once per minute, on one node
+    code, out, _ = cli("status", "--json")
+    assert "_watchdog" not in out  # consulrun's own lock is not a job
