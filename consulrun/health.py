@@ -4,8 +4,8 @@ Shape (consul-esm's pattern for things no agent runs on): one external catalog
 node per KV prefix (node meta `external-node: "true"`, `external-probe:
 "false"`, so no agent and no ESM ever probes or reaps it), one service on it,
 and one service check per job (CheckID `job:<job>`). The node and the service
-are named after the prefix (`ops/cron` -> `ops-cron`), so two prefixes never
-share checks.
+are named after the prefix (`ops/cron` -> `ops-cron`), so two prefixes do not
+share checks unless they differ only by `/` against `-` (README says so).
 
 Who writes a check, and why nodes never fight over it:
   * the node that ran an occurrence, in the same transaction as its finish
