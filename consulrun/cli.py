@@ -632,11 +632,13 @@ def _read_text(path: Path) -> tuple[str, str]:
 @click.option("--prefix", type=KvPrefix(), default=None,
               help="KV prefix [default: the manifest's kv_prefix, else consulrun].")
 @click.option("--jobs", "jobs_json", metavar="JSON", default=None,
-              help="The jobs' schedules and timeouts as the watchdog unit carries them (instead of MANIFEST).")
+              help="The jobs' schedules, timers and timeouts as JSON (instead of MANIFEST).")
+@click.option("--jobs-file", type=click.Path(path_type=Path), default=None,
+              help="The same, from the file generate writes beside the units (the watchdog unit passes it).")
 @click.option("--grace", type=Duration(), default="60s", show_default=True,
               help="How long past its time (plus accuracy and randomized delay) an occurrence may stay unclaimed.")
 @consul_options
-def watchdog(manifest: Path | None, prefix: str | None, jobs_json: str | None, grace: int,
+def watchdog(manifest: Path | None, prefix: str | None, jobs_json: str | None, jobs_file: Path | None, grace: int,
              **consul: str | None) -> None:
     """Bring every job's Consul health check in line with `status`: missed, overdue, dead holders, pauses.
 
@@ -648,13 +650,19 @@ def watchdog(manifest: Path | None, prefix: str | None, jobs_json: str | None, g
     from consulrun import health
     from consulrun.consulapi import Client
 
-    if (manifest is None) == (jobs_json is None):
-        raise UsageError("give MANIFEST or --jobs (the watchdog unit passes --jobs)")
+    if [manifest, jobs_json, jobs_file].count(None) != 2:
+        raise UsageError("give one of MANIFEST, --jobs or --jobs-file (the watchdog unit passes --jobs-file)")
     loaded = _read_manifest(manifest)[0] if manifest else None
+    where = f"--jobs-file {jobs_file}" if jobs_file else "--jobs"
     try:
+        if jobs_file:
+            jobs_json = "".join(line for line in jobs_file.read_text(encoding="utf-8").splitlines(keepends=True)
+                                if not line.startswith("#"))  # the generated-by header
         watched = health.Watched.from_manifest(loaded) if loaded else health.Watched.from_json(jobs_json or "")
-    except ValueError as exc:
-        raise UsageError(f"--jobs: {exc}") from None
+    except OSError as exc:
+        raise UsageError(f"{where}: {os_reason(exc)}") from None
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise UsageError(f"{where}: {exc}") from None
     kv_prefix = prefix if prefix is not None else (loaded.kv_prefix if loaded else "consulrun")
     _setup_logging()
     client = Client(consul_config(consul, loaded.consul if loaded else None), label="watchdog")

@@ -24,7 +24,7 @@ from consulrun.address import AddressError, parse_address
 from consulrun.errors import ConsulrunError, OutputError, UsageError, os_reason
 from consulrun.guarantees import warnings as guarantee_warnings
 from consulrun.manifest import Manifest
-from consulrun.render import is_generated, render, replace_atomic, restore_file
+from consulrun.render import OWNED_SUFFIXES, is_generated, render, replace_atomic, restore_file
 
 
 class InstallError(ConsulrunError):
@@ -91,7 +91,7 @@ def plan(units: dict[str, str], unit_dir: Path, unit_prefix: str) -> Plan:
                 result.change[name] = (old, text)
     if unit_dir.is_dir():
         for path in sorted(unit_dir.glob(f"{unit_prefix}-*")):
-            if path.suffix in (".service", ".timer") and path.name not in units and is_generated(path):
+            if path.name.endswith(OWNED_SUFFIXES) and path.name not in units and is_generated(path):
                 result.remove[path.name] = path.read_text(encoding="utf-8")
     return result
 

@@ -94,16 +94,38 @@ def run_argv(manifest: Manifest, job: Job, consulrun_path: str) -> list[str]:
 WATCHDOG_JOB = "_watchdog"  # consulrun.health.WATCHDOG_JOB: a name no manifest job can have
 
 
+WATCHDOG_JOBS_SUFFIX = ".jobs"
+OWNED_SUFFIXES = (".service", ".timer", WATCHDOG_JOBS_SUFFIX)  # what generate and install replace and remove
+
+
+def watchdog_jobs_name(manifest: Manifest) -> str:
+    """The file beside the units with what the watchdog judges: the manifest's schedules, timers and timeouts."""
+    return f"{manifest.unit_prefix}-{WATCHDOG_JOB}{WATCHDOG_JOBS_SUFFIX}"
+
+
+def watchdog_jobs_text(manifest: Manifest) -> str:
+    """That file's text: the generated-by header (so it is ours to replace and remove), then one JSON line.
+
+    Not in the unit's command line: a single argument may be at most 128 KiB
+    (Linux's MAX_ARG_STRLEN) and a unit-file line 1 MiB (systemd), which a
+    manifest of about a thousand jobs already passes.
+    """
+    from consulrun.health import Watched
+
+    return f"{HEADER}\n{Watched.from_manifest(manifest).to_json()}\n"
+
+
 def watchdog_job(manifest: Manifest, consulrun_path: str) -> Job:
     """The watchdog as a job of its own: once a minute, on one node (its own lock), judging every job's check.
 
-    The manifest's schedules and timeouts travel in its command line, so the
-    watchdog needs no copy of the manifest on the node.
+    The manifest's schedules and timeouts travel in a file written beside the
+    units (`watchdog_jobs_name`), which the unit names with systemd's `%Y`
+    (the directory of the unit file itself), so the watchdog needs no copy
+    of the manifest on the node, wherever the units are installed.
     """
-    from consulrun.health import WATCHDOG_SCHEDULE, Watched
+    from consulrun.health import WATCHDOG_SCHEDULE
 
-    command = (consulrun_path, "watchdog", "--prefix", manifest.kv_prefix, "--jobs",
-               Watched.from_manifest(manifest).to_json())
+    command = (consulrun_path, "watchdog", "--prefix", manifest.kv_prefix, "--jobs-file")
     return Job(name=WATCHDOG_JOB, command=command, schedules=(WATCHDOG_SCHEDULE,),
                description=f"consulrun watchdog: the health checks of the jobs under {manifest.kv_prefix}/",
                user=None, group=None, working_directory=None, environment=(), environment_file=None,
@@ -137,10 +159,16 @@ def render(manifest: Manifest, consulrun_path: str, templates: Path | None = Non
         service_t, timer_t, failure_t = (env.get_template(name) for name in TEMPLATE_NAMES)
         units: dict[str, str] = {}
         watchdog = (watchdog_job(manifest, consulrun_path),) if manifest.health_checks else ()
+        if watchdog:
+            units[watchdog_jobs_name(manifest)] = watchdog_jobs_text(manifest)
         for job in (*manifest.jobs, *watchdog):
             service, timer = unit_names(manifest, job)
+            # The watchdog's last word is its jobs file, named with a specifier (`%Y`), which escaping would
+            # make literal; the name is made of the unit prefix's characters only.
+            path_word = f" %Y/{watchdog_jobs_name(manifest)}" if job.name == WATCHDOG_JOB else ""
             context = {"header": HEADER, "manifest": manifest, "job": job, "service_name": service,
                        "timer_name": timer, "run_argv": run_argv(manifest, job, consulrun_path),
+                       "run_argv_suffix": path_word,
                        "consul_environment": _consul_environment(manifest),
                        "stop_timeout_ms": stop_timeout_ms(job.lock.lock_delay_ms),
                        "reap_argv": reap_argv(manifest, job, consulrun_path),
@@ -284,7 +312,7 @@ def write_units(units: dict[str, str], outdir: Path) -> list[Path]:
             raise
         where = getattr(exc, "filename", None) or outdir
         raise OutputError(f"cannot write units to {outdir}: {where}: {exc.strerror or exc}; nothing changed") from None
-    stale = [outdir / name for name in sorted(existing) if name.endswith((".service", ".timer"))
+    stale = [outdir / name for name in sorted(existing) if name.endswith(OWNED_SUFFIXES)
              and name not in units and is_generated(outdir / name)]
     for path in stale:
         path.unlink()

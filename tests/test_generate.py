@@ -51,9 +51,30 @@ def test_units_pass_systemd_analyze_verify(case: str, tmp_path: Path) -> None:
     require_tool("systemd-analyze")
     code, _, err = invoke("generate", str(CASES[case]), "-o", str(tmp_path), "--consulrun-path", "/usr/bin/env")
     assert code == 0, err
-    units = sorted(str(p) for p in tmp_path.iterdir())
+    units = sorted(str(p) for p in tmp_path.iterdir() if p.suffix in (".service", ".timer"))
     result = subprocess.run(["systemd-analyze", "verify", "--man=no", *units], capture_output=True, text=True,
                             cwd=tmp_path)
+    assert (result.returncode, result.stderr) == (0, "")
+
+
+def test_watchdog_of_a_big_manifest_is_a_loadable_unit(tmp_path: Path) -> None:
+    """The watchdog's job list lives in a file beside the units, not in its command line: one argument may be at
+    most 128 KiB (MAX_ARG_STRLEN) and a unit-file line 1 MiB, which 2,000 jobs' schedules would pass."""
+    require_tool("systemd-analyze")
+    manifest = tmp_path / "big.yaml"
+    manifest.write_text("health_checks: true\njobs:\n" + "".join(
+        f"  job-{n:05d}: {{command: [/bin/true], schedule: '*-*-* 02:{n % 60:02d}:00 Europe/Berlin', timeout: 1h}}\n"
+        for n in range(2000)))
+    out = tmp_path / "units"
+    code, _, err = invoke("generate", str(manifest), "-o", str(out), "--consulrun-path", "/usr/bin/env")
+    assert code == 0, err
+    service = out / "consulrun-_watchdog.service"
+    assert max(len(line) for line in service.read_text().splitlines()) < 4096
+    assert "--jobs-file %Y/consulrun-_watchdog.jobs" in service.read_text()
+    jobs = out / "consulrun-_watchdog.jobs"
+    assert len(jobs.read_bytes()) > 128 * 1024  # what used to be one argument
+    result = subprocess.run(["systemd-analyze", "verify", "--man=no", str(service)], capture_output=True, text=True,
+                            cwd=out)
     assert (result.returncode, result.stderr) == (0, "")
 
 

@@ -219,11 +219,15 @@ def test_a_run_finishing_while_the_watchdog_judges_wins(catalog: Agent, tmp_path
 def test_watchdog_runs_under_its_own_lock_as_its_unit_runs_it(catalog: Agent, tmp_path: Path) -> None:
     manifest = write_manifest(tmp_path, '  job1: {command: "true", schedule: "minutely"}\n', "health_checks: true\n")
     from consulrun.manifest import load_manifest
-    from consulrun.render import watchdog_job
+    from consulrun.render import watchdog_job, watchdog_jobs_text
 
-    job = watchdog_job(load_manifest(manifest), "consulrun")
+    loaded = load_manifest(manifest)
+    job = watchdog_job(loaded, "consulrun")
+    jobs_file = tmp_path / "consulrun-_watchdog.jobs"  # the unit names it as %Y/<file>: beside the unit file
+    jobs_file.write_text(watchdog_jobs_text(loaded))
+    assert job.command[-1] == "--jobs-file"
     argv = ["run", "--schedule", job.schedules[0], "--history", "1", job.name, "--",
-            sys.executable, "-m", "consulrun", *job.command[1:]]
+            sys.executable, "-m", "consulrun", *job.command[1:], str(jobs_file)]
     code, _, err = finish(consulrun(*argv))
     assert code == 0, err
     assert checks(catalog)["job1"]["Output"] == "never run"
