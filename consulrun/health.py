@@ -5,7 +5,8 @@ node per KV prefix (node meta `external-node: "true"`, `external-probe:
 "false"`, so no agent and no ESM ever probes or reaps it), one service on it,
 and one service check per job (CheckID `job:<job>`). The node and the service
 are named after the prefix (`ops/cron` -> `ops-cron`), so two prefixes do not
-share checks unless they differ only by `/` against `-` (README says so).
+share checks (two that differ only by `/` against `-` would: the node's
+`consulrun-prefix` meta says whose it is, and the other's watchdog refuses).
 
 Who writes a check, and why nodes never fight over it:
   * the node that ran an occurrence, in the same transaction as its finish
@@ -32,7 +33,7 @@ from typing import Any
 
 from consulrun import status as state
 from consulrun.consulapi import Client
-from consulrun.errors import ConsulProtocolError, PermissionDenied
+from consulrun.errors import ConsulProtocolError, PermissionDenied, UsageError
 from consulrun.pause import describe as describe_pause
 
 log = logging.getLogger("consulrun")
@@ -176,6 +177,11 @@ def ensure_registered(client: Client, prefix: str) -> bool:
     wanted = registration(prefix)
     found = client.catalog_node(wanted["Node"]) or {}
     node = found.get("Node") or {}
+    owner = (node.get("Meta") or {}).get("consulrun-prefix")
+    if owner is not None and owner != prefix.strip("/"):  # `a/b` and `a-b` name the same node: never fight over it
+        raise UsageError(f"the Consul catalog node {wanted['Node']} holds the health checks of prefix {owner!r}, "
+                         f"not {prefix.strip('/')!r}; two prefixes that differ only by '/' against '-' cannot "
+                         "both have health checks")
     service = (found.get("Services") or {}).get(wanted["Service"]["ID"]) or {}
     if node and all((node.get("Meta") or {}).get(k) == v for k, v in wanted["NodeMeta"].items()) and \
             service.get("Service") == wanted["Service"]["Service"]:

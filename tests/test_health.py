@@ -235,3 +235,16 @@ def test_watchdog_runs_under_its_own_lock_as_its_unit_runs_it(catalog: Agent, tm
     assert code == 0 and "skipped: occurrence" in err, err  # once per minute, on one node
     code, out, _ = cli("status", "--json")
     assert "_watchdog" not in out  # consulrun's own lock is not a job
+
+
+def test_two_prefixes_with_one_node_name_are_refused_not_fought_over(catalog: Agent, tmp_path: Path) -> None:
+    """`a/b` and `a-b` both name the node `a-b`: the second watchdog refuses instead of taking the node over."""
+    register(catalog, "team/jobs")
+    manifest = write_manifest(tmp_path, '  job1: {command: "true", schedule: "minutely"}\n', "health_checks: true\n")
+    code, _, err = watchdog(manifest, "--prefix", "team-jobs")
+    assert code == 2
+    assert err.strip().splitlines()[-1].endswith(
+        "the Consul catalog node team-jobs holds the health checks of prefix 'team/jobs', not 'team-jobs'; two "
+        "prefixes that differ only by '/' against '-' cannot both have health checks")
+    assert catalog.get("catalog/node/team-jobs")["Node"]["Meta"]["consulrun-prefix"] == "team/jobs"
+    assert catalog.get("health/node/team-jobs") == []  # nothing judged or written under the other prefix
