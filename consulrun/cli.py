@@ -29,6 +29,11 @@ if TYPE_CHECKING:
 
 WATCHDOG_JOB = "_watchdog"  # consulrun.health.WATCHDOG_JOB, kept here so `run` imports nothing more
 
+
+def _job_problem(job: str) -> str | None:
+    """Why `job` is not a job name, or None; the watchdog's own lock (`_watchdog`) is one to run, reap, unlock."""
+    return None if job == WATCHDOG_JOB else name_problem(job)
+
 EXIT_CODES_HELP = """
 \b
 Exit statuses:
@@ -204,7 +209,7 @@ def run(job: str, command: tuple[str, ...], prefix: str, ttl: int, lock_delay: i
     every process of the job (also those that left its process group) is
     killed and the status is 75; the lock is never released while one lives.
     """
-    problem = name_problem(job) if job != WATCHDOG_JOB else None  # the watchdog's own lock: see `watchdog`
+    problem = _job_problem(job)
     if problem:
         raise UsageError(problem)
     if schedules and concurrency != 1:
@@ -255,7 +260,7 @@ def reap(job: str, prefix: str, concurrency: int, **consul: str | None) -> None:
     once instead of living until its TTL runs out. Lock-delay still applies.
     A live holder, or one on another node, is never touched.
     """
-    problem = name_problem(job)
+    problem = _job_problem(job)
     if problem:
         raise UsageError(problem)
     from consulrun.consulapi import Client
@@ -401,7 +406,7 @@ def _manifest_and_jobs(targets: tuple[str, ...]) -> tuple[Manifest | None, tuple
     if targets and ("/" in targets[0] or targets[0].endswith((".yaml", ".yml", ".json"))):
         loaded, targets = load_manifest(Path(targets[0])), targets[1:]
     for job in targets:
-        problem = name_problem(job)
+        problem = _job_problem(job)
         if problem:
             raise UsageError(problem)
     return loaded, targets

@@ -248,3 +248,17 @@ def test_two_prefixes_with_one_node_name_are_refused_not_fought_over(catalog: Ag
         "prefixes that differ only by '/' against '-' cannot both have health checks")
     assert catalog.get("catalog/node/team-jobs")["Node"]["Meta"]["consulrun-prefix"] == "team/jobs"
     assert catalog.get("health/node/team-jobs") == []  # nothing judged or written under the other prefix
+
+
+def test_reap_frees_a_killed_watchdogs_lock(catalog: Agent, tmp_path: Path) -> None:
+    """The watchdog unit's ExecStopPost= reaps `_watchdog` like any job's lock (it used to be refused as a name)."""
+    started = tmp_path / "started"
+    holder = consulrun("run", "--schedule", "*-*-* *:*:00", "--history", "1", "_watchdog", "--",
+                       "sh", "-c", f"touch {started}; exec sleep 300")
+    wait_for(started.exists, 20, "the watchdog's stand-in to start")
+    holder.kill()  # as systemd does after TimeoutStartSec= or the OOM killer: no release
+    holder.wait(timeout=10)
+    assert lock_entry(catalog, "consulrun/_watchdog/lock").get("Session")
+    code, _, err = cli("reap", "--concurrency", "1", "_watchdog")
+    assert code == 0, err
+    assert "Session" not in lock_entry(catalog, "consulrun/_watchdog/lock")
