@@ -5,8 +5,9 @@ node per KV prefix (node meta `external-node: "true"`, `external-probe:
 "false"`, so no agent and no ESM ever probes or reaps it), one service on it,
 and one service check per job (CheckID `job:<job>`). The node and the service
 are named after the prefix (`ops/cron` -> `ops-cron`), so two prefixes do not
-share checks (two that differ only by `/` against `-` would: the node's
-`consulrun-prefix` meta says whose it is, and the other's watchdog refuses).
+share checks (two that differ only in case or by `/` against `-` would: the
+node's `consulrun-prefix` meta says whose it is, and the other's watchdog
+refuses, as it does for a node of that name that a real agent owns).
 
 Who writes a check, and why nodes never fight over it:
   * the node that ran an occurrence, in the same transaction as its finish
@@ -52,7 +53,9 @@ def node_name(prefix: str) -> str:
 
 
 def check_id(job: str) -> str:
-    return f"job:{job}"
+    """`job:<job>`, each capital written `^` + its lower case: Consul compares check IDs ignoring case, and job
+    names are case-sensitive (`Backup` and `backup` are two jobs, with two checks). `^` is in no job name."""
+    return "job:" + "".join(f"^{c.lower()}" if c.isupper() else c for c in job)
 
 
 def check_op(prefix: str, job: str, status: str, output: str, *, verb: str = "set",
@@ -177,11 +180,16 @@ def ensure_registered(client: Client, prefix: str) -> bool:
     wanted = registration(prefix)
     found = client.catalog_node(wanted["Node"]) or {}
     node = found.get("Node") or {}
-    owner = (node.get("Meta") or {}).get("consulrun-prefix")
-    if owner is not None and owner != prefix.strip("/"):  # `a/b` and `a-b` name the same node: never fight over it
+    meta = node.get("Meta") or {}
+    if node and meta.get("external-node") != "true":  # a real agent's node: registering over it would hijack it
+        raise UsageError(f"the Consul catalog already has a node {wanted['Node']} that is not consulrun's external "
+                         f"node (an agent's); the health checks of prefix {prefix.strip('/')!r} need that name: "
+                         "rename the node or use another kv_prefix")
+    owner = meta.get("consulrun-prefix")
+    if node and owner != prefix.strip("/"):  # node names ignore case, and `a/b` and `a-b` both give `a-b`
         raise UsageError(f"the Consul catalog node {wanted['Node']} holds the health checks of prefix {owner!r}, "
-                         f"not {prefix.strip('/')!r}; two prefixes that differ only by '/' against '-' cannot "
-                         "both have health checks")
+                         f"not {prefix.strip('/')!r}; two prefixes that give one node name (they differ only in "
+                         "case, or in '/' against '-') cannot both have health checks")
     service = (found.get("Services") or {}).get(wanted["Service"]["ID"]) or {}
     if node and all((node.get("Meta") or {}).get(k) == v for k, v in wanted["NodeMeta"].items()) and \
             service.get("Service") == wanted["Service"]["Service"]:

@@ -245,7 +245,8 @@ def test_two_prefixes_with_one_node_name_are_refused_not_fought_over(catalog: Ag
     assert code == 2
     assert err.strip().splitlines()[-1].endswith(
         "the Consul catalog node team-jobs holds the health checks of prefix 'team/jobs', not 'team-jobs'; two "
-        "prefixes that differ only by '/' against '-' cannot both have health checks")
+        "prefixes that give one node name (they differ only in case, or in '/' against '-') cannot both have "
+        "health checks")
     assert catalog.get("catalog/node/team-jobs")["Node"]["Meta"]["consulrun-prefix"] == "team/jobs"
     assert catalog.get("health/node/team-jobs") == []  # nothing judged or written under the other prefix
 
@@ -262,3 +263,29 @@ def test_reap_frees_a_killed_watchdogs_lock(catalog: Agent, tmp_path: Path) -> N
     code, _, err = cli("reap", "--concurrency", "1", "_watchdog")
     assert code == 0, err
     assert "Session" not in lock_entry(catalog, "consulrun/_watchdog/lock")
+
+
+def test_jobs_differing_only_in_case_have_two_checks(catalog: Agent, tmp_path: Path) -> None:
+    """Consul compares check IDs ignoring case; job names are case-sensitive, so capitals are encoded in the ID."""
+    register(catalog)
+    assert finish(consulrun("run", "--health-check", "--schedule", YEARLY, "Backup", "--", "true"))[0] == 0
+    assert finish(consulrun("run", "--health-check", "--schedule", YEARLY, "backup", "--", "false"))[0] == 1
+    found = checks(catalog)
+    assert (found["Backup"]["Status"], found["backup"]["Status"]) == ("passing", "critical")
+    assert {found["Backup"]["CheckID"], found["backup"]["CheckID"]} == {"job:^backup", "job:backup"}
+    manifest = write_manifest(tmp_path, '  Backup: {command: "true", schedule: "yearly"}\n'
+                                        '  backup: {command: "true", schedule: "yearly"}\n', "health_checks: true\n")
+    code, _, err = watchdog(manifest)
+    assert code == 0, err  # nothing to fight over: each check is its own job's
+
+
+def test_a_real_agents_node_is_never_taken_over(catalog: Agent, tmp_path: Path) -> None:
+    """A prefix that names an agent's node: the watchdog refuses instead of re-registering that node as external."""
+    agent_node = catalog.get("agent/self")["Config"]["NodeName"]
+    before = catalog.get(f"catalog/node/{agent_node}")["Node"]
+    manifest = write_manifest(tmp_path, '  job1: {command: "true", schedule: "minutely"}\n', "health_checks: true\n")
+    code, _, err = watchdog(manifest, "--prefix", agent_node)
+    assert code == 2
+    assert f"the Consul catalog already has a node {agent_node} that is not consulrun's external node" in err
+    after = catalog.get(f"catalog/node/{agent_node}")["Node"]
+    assert (after["Address"], after["Meta"]) == (before["Address"], before["Meta"])
