@@ -239,8 +239,17 @@ def _overdue_holders(status: JobStatus, expect: Expectations | None, now: dateti
 def _record_of(keys: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
     if "occurrence" in keys:
         return decoded(keys["occurrence"]) or None
-    lasts = [decoded(e).get("last") for k, e in sorted(keys.items()) if k == "lock" or k.startswith("slots/")]
-    runs = [last for last in lasts if isinstance(last, dict)]
+    runs = []
+    for key, entry in sorted(keys.items()):
+        if key != "lock" and not key.startswith("slots/"):
+            continue
+        value = decoded(entry)
+        if isinstance(value.get("last"), dict):  # released: how the run ended
+            runs.append(value["last"])
+        elif not entry.get("Session") and value.get("session") and value.get("started"):
+            # A holder's value that no session holds: its runner died (or lost the lock) and never recorded an
+            # end. Judged as an occurrence record saying "running" whose session is gone: abandoned.
+            runs.append({**{k: value.get(k) for k in ("node", "started", "session")}, "state": "running"})
     return max(runs, key=lambda r: str(r.get("started") or "")) if runs else None  # the newest of the slots
 
 

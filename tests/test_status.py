@@ -224,7 +224,9 @@ def test_warning_check_leaves_the_holder_healthy_critical_does_not(consul: Agent
         consul.api("PUT", "agent/check/fail/disk-ok")  # critical: Consul invalidates the session, frees the lock
         wait_for(lambda: not consul.get(f"session/info/{sid}"), 20, "Consul to invalidate the session")
         code, out, _ = cli("status", "--json")
-        assert code == 0 and json.loads(out)["jobs"][0]["state"] == "free"
+        job = json.loads(out)["jobs"][0]
+        # Free now; and the run it held ended with no result (a real runner would have been fenced): not green.
+        assert (code, job["state"], job["last"]["state"]) == (1, "free", "abandoned")
     finally:
         consul.api("PUT", "agent/check/deregister/disk-ok")
 
@@ -289,6 +291,23 @@ def test_lost_and_abandoned_runs_are_visible(consul: Agent) -> None:
     states = {line.split()[0]: line.split()[1] for line in out.splitlines()[1:4]}
     assert states == {"fenced": "lost", "killed": "abandoned", "silent": "abandoned"}
     assert "fenced: lost: occurrence 2026-01-01T00:00:00Z on n1 was lost: lock not confirmed for 9.1s" in out
+
+
+def test_a_killed_unscheduled_run_is_abandoned_not_free(consul: Agent, tmp_path: Path) -> None:
+    """A run without --schedule (units with concurrency > 1) keeps no record but the slot's value: once its dead
+    wrapper's session is gone, that holder value with no result is an abandoned run, not a free never-run job."""
+    started = tmp_path / "started"
+    runner = consulrun("run", "--concurrency", "2", "fanout", "--", "sh", "-c", f"touch {started}; exec sleep 300")
+    wait_for(started.exists, 20, "the job")
+    runner.kill()  # a crash: no release, no result
+    runner.wait(timeout=10)
+    slot = next(e for e in consul.get("kv/consulrun/fanout/slots/?recurse") if e.get("Session"))
+    consul.api("PUT", f"session/destroy/{slot['Session']}")  # what the TTL would do a little later
+    code, out, _ = cli("status", "--json", "fanout")
+    job = json.loads(out)["jobs"][0]
+    assert code == 1, out
+    assert (job["state"], job["last"]["state"], job["verdict"]) == ("free", "abandoned", "last_run_failed")
+    assert job["problems"][0]["kind"] == "abandoned"
 
 
 def test_forced_unlock_of_a_real_scheduled_run_is_not_green(consul: Agent, tmp_path: Path) -> None:
