@@ -135,15 +135,20 @@ class Locker:
         idx, entries = self.client.kv_get(f"{self.spec.base}/slots/", index=index, wait_s=wait_s, recurse=True)
         return idx, {e["Key"]: e for e in entries or []}
 
-    def snapshot(self) -> tuple[dict[str, dict[str, Any]], str | None]:
-        """(the lock entries, why the job is paused or None), read together."""
+    def snapshot(self) -> tuple[dict[str, dict[str, Any]], str | None, dict[str, Any]]:
+        """(the lock entries, why the job is paused or None, an operation that fails a transaction if the pause
+        key changed since), read together: a pause landing between this look and the acquisition stops it."""
         from consulrun.pause import describe, in_force, pause_key, value_of
 
+        key = pause_key(self.spec.base)
         lock_prefix = self.spec.keys()[0] if self.spec.concurrency == 1 else f"{self.spec.base}/slots/"
-        found = self.client.read_trees([lock_prefix, pause_key(self.spec.base)])
-        paused = value_of(found.pop(pause_key(self.spec.base), None))
+        found = self.client.read_trees([lock_prefix, key])
+        pause_entry = found.pop(key, None)
+        guard = kv_op("check-index", key, Index=int(pause_entry["ModifyIndex"])) if pause_entry else \
+            kv_op("check-not-exists", key)
+        paused = value_of(pause_entry)
         entries = {k: e for k, e in found.items() if k in self.spec.keys()}
-        return entries, (describe(paused) if in_force(paused) else None)
+        return entries, (describe(paused) if in_force(paused) else None), guard
 
     def _holder_value(self) -> dict[str, Any]:
         value = {"job": self.spec.job, "node": self.node, "host": socket.gethostname(), "pid": os.getpid(),
@@ -318,7 +323,7 @@ class Locker:
             remaining = deadline - clock()
             if index:
                 index, _ = self.entries(index=index, wait_s=remaining)  # woken by a change: look again, pause too
-            entries, paused = self.snapshot()
+            entries, paused, unpaused = self.snapshot()
             if paused:
                 return None, paused
             if not index:  # the lock and the pause key in one read-only transaction: one round trip, no write
@@ -331,10 +336,13 @@ class Locker:
                 return held, ""
             holders = [describe_holder(e) for e in entries.values() if e.get("Session")]
             if not holders:
-                held = self.try_once(entries)
+                testhook.pause("before-claim")
+                held = self.try_once(entries, claim=lambda value: [unpaused])
                 if held:
                     return held, ""
             if clock() >= deadline:
+                if not holders and (paused := self.snapshot()[1]):  # refused because a pause landed meanwhile
+                    return None, paused
                 reason = f"held by {'; '.join(holders)}" if holders else \
                     "the lock is free but Consul refused it (lock-delay after an invalidation, or a lost race)"
                 return None, reason

@@ -67,6 +67,7 @@ class Snapshot:
     paused: str | None = None  # why the job is paused, while a pause is in force
     trigger: dict[str, Any] | None = None  # a pending `consulrun trigger` request
     trigger_index: int = 0
+    pause_index: int = 0  # ModifyIndex of the pause key as read, 0 if absent
 
     @property
     def holder_session(self) -> str | None:
@@ -102,7 +103,15 @@ class Ledger:
         return Snapshot(record_index=int(record_entry["ModifyIndex"]) if record_entry else 0,
                         record=decoded(record_entry) or None, lock=lock,
                         paused=pause.describe(paused) if pause.in_force(paused) else None,
-                        trigger=decoded(trigger) or None, trigger_index=int(trigger["ModifyIndex"]) if trigger else 0)
+                        trigger=decoded(trigger) or None, trigger_index=int(trigger["ModifyIndex"]) if trigger else 0,
+                        pause_index=int(entries[self.pause_key]["ModifyIndex"]) if self.pause_key in entries else 0)
+
+    def pause_guard(self, snap: Snapshot) -> dict[str, Any]:
+        """An operation that fails a claim if the pause key changed since `snap` read it: a pause that lands
+        between the look and the claim stops the run (the claim fails, the next look skips)."""
+        if snap.pause_index:
+            return kv_op("check-index", self.pause_key, Index=snap.pause_index)
+        return kv_op("check-not-exists", self.pause_key)
 
     def manual_key(self, claim: dict[str, Any]) -> str:
         return f"{self.history_prefix}{claim['started']}~manual"
@@ -114,7 +123,7 @@ class Ledger:
                  "trigger": trigger.get("id"), "state": "running", "node": holder.get("node"),
                  "session": holder.get("session"), "started": holder.get("started")}
         return [kv_op("delete-cas", self.trigger_key, Index=snap.trigger_index),
-                kv_op("set", self.manual_key(claim), claim)], claim
+                kv_op("set", self.manual_key(claim), claim), self.pause_guard(snap)], claim
 
     def manual_finish_ops(self, claim: dict[str, Any], outcome: dict[str, Any], state: str) -> list[dict[str, Any]]:
         return [kv_op("set", self.manual_key(claim), {**claim, **outcome, "state": state})]
@@ -146,7 +155,7 @@ class Ledger:
                  "started": holder.get("started"), "takeover": takeover, "attempt": len(earlier) + 1,
                  "schedule": list(occ.specs), "zone": calendar.local_zone_name(),
                  "zone_offsets": calendar.zone_offsets(occ.when), "earlier": earlier}
-        ops = [kv_op("cas", self.record_key, claim, Index=snap.record_index)]
+        ops = [kv_op("cas", self.record_key, claim, Index=snap.record_index), self.pause_guard(snap)]
         if record.get("state") == "running" and record.get("occurrence", "") < occ.id:
             # Its runner died before recording a result: say so in the history rather than leave a gap.
             ops.append(kv_op("set", self.history_prefix + record["occurrence"],
@@ -336,6 +345,8 @@ def _step(locker: Locker, ledger: Ledger, occ: Occurrence, policy: str, deadline
         if state == "running":
             return None, None, (f"occurrence {occ.id} is still running on {record.get('node')}; "
                                 "the next occurrence is due, so this node stops standing by")
+        if look["raced"] and (again := ledger.snapshot(consistent=True)).paused:  # the claim met a new pause
+            return None, None, f"the job is {again.paused}"
         return None, None, f"could not claim occurrence {occ.id}"
     if holders:
         look["waiting"] = True

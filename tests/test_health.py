@@ -71,18 +71,23 @@ def test_run_results_set_the_check_in_the_finish_transaction(catalog: Agent, tmp
     assert "warning" not in err
 
     # No extra Raft write: a run with the check costs what a run without it costs.
-    deltas = {}
-    for flag, job in (([], "plain"), (["--health-check"], "checked")):
-        before = _raft_applied(catalog)
-        assert finish(consulrun("run", *flag, "--schedule", YEARLY, job, "--", "true"))[0] == 0
-        deltas[job] = _raft_applied(catalog) - before
-    assert deltas["checked"] == deltas["plain"] == 4, deltas
+    # The fewest of three tries each: the agent's own periodic writes may land in one window, not in all three.
+    deltas: dict[str, list[int]] = {"plain": [], "checked": []}
+    for n in range(3):
+        for flag, job in (([], "plain"), (["--health-check"], "checked")):
+            before = _raft_applied(catalog)
+            assert finish(consulrun("run", *flag, "--schedule", YEARLY, f"{job}{n}", "--", "true"))[0] == 0
+            deltas[job].append(_raft_applied(catalog) - before)
+    assert min(deltas["checked"]) == min(deltas["plain"]) == 4, deltas
     # A node that finds the occurrence done still decides with reads only.
-    before = _raft_applied(catalog)
-    code, _, err = finish(consulrun("run", "--health-check", "--skip-exit-code", "42", "--schedule", YEARLY, "checked",
-                                    "--", "true"))
-    assert code == 42 and "already ran on dev1" in err, err
-    assert _raft_applied(catalog) == before
+    skips = []
+    for _ in range(3):
+        before = _raft_applied(catalog)
+        code, _, err = finish(consulrun("run", "--health-check", "--skip-exit-code", "42", "--schedule", YEARLY,
+                                        "checked0", "--", "true"))
+        assert code == 42 and "already ran on dev1" in err, err
+        skips.append(_raft_applied(catalog) - before)
+    assert min(skips) == 0, skips
 
     # A run without --schedule sets it too, from the result its lock's value keeps.
     code, _, err = finish(consulrun("run", "--health-check", "adhoc", "--", "sh", "-c", "exit 5"))
@@ -90,11 +95,11 @@ def test_run_results_set_the_check_in_the_finish_transaction(catalog: Agent, tmp
     assert checks(catalog)["adhoc"]["Status"] == "critical"
     assert checks(catalog)["adhoc"]["Output"].startswith("run started 20")
 
-    # The watchdog agrees with what each run wrote: it rewrites none of them (only "plain" gets a check).
+    # The watchdog agrees with what each run wrote: it rewrites none of them (only the "plain" runs get a check).
     written = {name: c["ModifyIndex"] for name, c in checks(catalog).items()}
     code, _, err = cli("watchdog", "--jobs", "{}")
-    assert code == 0 and "watchdog: check plain: passing" in err, err
-    assert {name: c["ModifyIndex"] for name, c in checks(catalog).items() if name != "plain"} == written
+    assert code == 0 and all(f"watchdog: check plain{n}: passing" in err for n in range(3)), err
+    assert {name: c["ModifyIndex"] for name, c in checks(catalog).items() if not name.startswith("plain")} == written
 
 
 def test_lost_and_stopped_runs_turn_the_check_critical(catalog: Agent, tmp_path: Path) -> None:
@@ -174,10 +179,13 @@ def test_watchdog_marks_missed_overdue_and_paused_and_otherwise_writes_nothing(c
     assert found["never"]["Status"] == "passing" and found["never"]["Output"] == "never run"
 
     # Nothing changed: the watchdog reads, and writes nothing (the run's own check included).
-    before = _raft_applied(catalog)
-    code, _, err = watchdog(manifest, "--grace", "1s")
-    assert code == 0 and "watchdog: check" not in err, err
-    assert _raft_applied(catalog) == before
+    passes = []
+    for _ in range(3):
+        before = _raft_applied(catalog)
+        code, _, err = watchdog(manifest, "--grace", "1s")
+        assert code == 0 and "watchdog: check" not in err, err
+        passes.append(_raft_applied(catalog) - before)
+    assert min(passes) == 0, passes
 
     # Resumed: the pause line goes; the next run's result replaces the missed verdict, and the watchdog agrees.
     assert finish(consulrun("resume", "paused"))[0] == 0

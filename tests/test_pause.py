@@ -49,6 +49,25 @@ def test_paused_job_is_skipped_without_writes_until_resumed(consul: Agent, tmp_p
     assert ran.exists()
 
 
+@pytest.mark.parametrize("schedule", [False, True], ids=["plain", "scheduled"])
+def test_pause_landing_between_the_look_and_the_claim_stops_the_run(consul: Agent, tmp_path: Path,
+                                                                     schedule: bool) -> None:
+    """The claim (or plain acquisition) carries a check of the pause key as the look read it."""
+    ran, hooks = tmp_path / "ran", tmp_path / "hooks"
+    hooks.mkdir()
+    env = {"CONSULRUN_TEST_PAUSE": "before-claim", "CONSULRUN_TEST_HOOK_DIR": str(hooks)}
+    runner = consulrun("run", "--skip-exit-code", str(SKIP), *(["--schedule", YEARLY] if schedule else []),
+                       "racing", "--", "touch", str(ran), env=env)
+    wait_for((hooks / "before-claim").exists, 30, "the runner to have looked (not paused) and be about to claim")
+    assert finish(consulrun("pause", "racing", "--reason", "now"))[0] == 0
+    (hooks / "before-claim.go").touch()
+    code, _, err = finish(runner)
+    assert code == SKIP, err
+    assert "paused by" in err and ": now" in err
+    assert not ran.exists()
+    assert finish(consulrun("resume", "racing"))[0] == 0
+
+
 def test_pause_for_a_while_ends_by_itself(consul: Agent, tmp_path: Path) -> None:
     ran = tmp_path / "ran"
     assert finish(consulrun("pause", "brief", "--for", "3s"))[0] == 0
