@@ -744,7 +744,7 @@ def _pause_targets(targets: tuple[str, ...], all_jobs: bool, prefix: str | None,
             client, kv_prefix.strip("/") + "/")[1]))
         if not jobs:
             raise state.NoState(f"no job has any state under {kv_prefix}/ in Consul")
-    return client, kv_prefix.strip("/"), list(jobs)
+    return client, kv_prefix.strip("/"), list(dict.fromkeys(jobs))  # a job named twice is one job
 
 
 @main.command()

@@ -89,7 +89,9 @@ def _ended(value: dict[str, Any], now: datetime) -> dict[str, Any]:
     until = parse_time(value.get("until"))
     if until is not None and until <= now:
         return {**value, "ended": _iso(until)}
-    return {**value, "ended": _iso(now), "ended_by": who()}
+    # Rounded up to the second: a run skipped at 12:00:00.1 by a pause ended at 12:00:00.6 was skipped by it.
+    ended = now.replace(microsecond=0) + timedelta(seconds=1) if now.microsecond else now
+    return {**value, "ended": _iso(ended), "ended_by": who()}
 
 
 def _filed_order(key: str) -> tuple[str, int]:

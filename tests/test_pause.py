@@ -290,3 +290,23 @@ def test_pause_and_resume_of_more_jobs_than_one_transaction_holds(consul: Agent)
     resume(client, "consulrun", jobs)
     keys = requests.get(f"{consul.url}/v1/kv/consulrun/", params={"recurse": "true", "keys": "true"}, timeout=10).json()
     assert len(keys) == 2 * len(jobs) and all("/ended-pauses/" in key for key in keys)
+
+
+def test_a_resume_within_an_occurrences_second_still_covers_it(consul: Agent) -> None:
+    """`ended` is rounded up: nodes skipped the 12:12:00 occurrence at .138, the resume came at .618."""
+    from consulrun.consulapi import Client, ConsulConfig
+    from consulrun.pause import pause, resume
+
+    client = Client(ConsulConfig.from_env({}, address=consul.http_addr))
+    pause(client, "consulrun", ["roundup"], for_ms=None, reason="r",
+          now=datetime(2026, 11, 30, 12, 11, 30, 250_000, tzinfo=timezone.utc))
+    resume(client, "consulrun", ["roundup"], now=datetime(2026, 11, 30, 12, 12, 0, 618_000, tzinfo=timezone.utc))
+    (episode,) = episodes_of(consul, "roundup")
+    assert (episode["at"], episode["ended"]) == ("2026-11-30T12:11:30Z", "2026-11-30T12:12:01Z")
+
+
+def test_a_job_named_twice_is_paused_and_resumed_once(consul: Agent) -> None:
+    for verb in ("pause", "resume"):
+        code, _, err = finish(consulrun(verb, "twice", "twice"))
+        assert code == 0, err
+    assert len(episodes_of(consul, "twice")) == 1
