@@ -158,12 +158,20 @@ class Watched:
     def from_json(cls, text: str) -> "Watched":
         try:
             data = json.loads(text)
-            return cls(tuple(WatchedJob(name, tuple(str(s) for s in v["schedules"]),
-                                        WatchedTimer(int(v["accuracy_ms"]), int(v["randomized_delay_ms"])),
-                                        int(v["timeout_ms"]) if v.get("timeout_ms") is not None else None)
-                             for name, v in sorted(data.items())))
+            watched = cls(tuple(WatchedJob(name, tuple(str(s) for s in v["schedules"]),
+                                           WatchedTimer(int(v["accuracy_ms"]), int(v["randomized_delay_ms"])),
+                                           int(v["timeout_ms"]) if v.get("timeout_ms") is not None else None)
+                                for name, v in sorted(data.items())))
         except (ValueError, TypeError, KeyError, AttributeError) as exc:
             raise ValueError(f"not the watchdog's job list ({type(exc).__name__}: {exc})") from None
+        from consulrun.schema import schedule_problem
+
+        for job in watched.jobs:
+            problems = [p for p in map(schedule_problem, job.schedules) if p] or \
+                ([] if job.schedules else ["no schedule"])
+            if problems:
+                raise ValueError(f"job {job.name}: {problems[0]}")
+        return watched
 
 
 def registration(prefix: str) -> dict[str, Any]:

@@ -297,3 +297,12 @@ def test_a_real_agents_node_is_never_taken_over(catalog: Agent, tmp_path: Path) 
     assert f"the Consul catalog already has a node {agent_node} that is not consulrun's external node" in err
     after = catalog.get(f"catalog/node/{agent_node}")["Node"]
     assert (after["Address"], after["Meta"]) == (before["Address"], before["Meta"])
+
+
+@pytest.mark.parametrize("schedules", [["nonsense x"], []])
+def test_a_bad_job_list_is_one_line_and_exit_2(schedules: list[str]) -> None:
+    jobs = '{"a": {"schedules": %s, "accuracy_ms": 1, "randomized_delay_ms": 0, "timeout_ms": null}}' % (
+        str(schedules).replace("'", '"'))
+    code, _, err = cli("watchdog", "--jobs", jobs)
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert err.startswith("Error: --jobs: job a: ")
