@@ -136,6 +136,19 @@ def test_session_destroyed_kills_whole_group(consul: Agent, tmp_path: Path) -> N
     assert not pid_alive(shell) and not pid_alive(grandchild)
 
 
+def test_a_lost_lock_gives_the_job_sigterm_and_its_grace_before_sigkill(consul: Agent, tmp_path: Path) -> None:
+    """Fenced with time left (the watcher saw the loss at once): SIGTERM first, and the grace to act on it."""
+    started, termed = tmp_path / "started", tmp_path / "termed"
+    holder = consulrun("run", "--lock-delay", "15s", "graceful", "--", "sh", "-c",
+                       f"trap 'touch {termed}; exit 0' TERM; touch {started}; while :; do sleep 0.1; done")
+    wait_for(started.exists, 20, "the job")
+    consul.api("PUT", f"session/destroy/{lock_entry(consul, 'consulrun/graceful/lock')['Session']}")
+    code, _, err = finish(holder, timeout=30)
+    assert code == 75, err
+    assert termed.exists(), err  # it got SIGTERM and the time to run its trap
+    assert "killing the job's processes (SIGTERM, SIGKILL after " in err, err
+
+
 def test_kill_9_of_wrapper_kills_child_and_lock_frees_after_ttl(consul: Agent, tmp_path: Path) -> None:
     pids = tmp_path / "pid"
     holder = consulrun("run", "--ttl", "10s", "orphan", "--", "sh", "-c", f"echo $$ > {pids}; exec sleep 300")
