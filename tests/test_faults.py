@@ -142,6 +142,7 @@ def test_wait_outlasts_ttl_through_lock_delay_and_acquires(consul: Agent, tmp_pa
                           timeout=150)
     assert code == 0, err
     assert ran.exists()
+    assert "no longer exists" not in err, err  # one session, renewed through the wait: never expired, never replaced
     # session create, lock, release, destroy, plus a bounded number of refused attempts (not 2 per second).
     assert raft_applied(consul) - before <= 8, raft_applied(consul) - before
     assert sessions(consul) == []
