@@ -9,6 +9,7 @@ from __future__ import annotations
 import base64
 import json
 import os
+import resource
 import signal
 import subprocess
 import sys
@@ -138,14 +139,22 @@ def test_wait_outlasts_ttl_through_lock_delay_and_acquires(consul: Agent, tmp_pa
     assert finish(holder)[0] == 75
     before = raft_applied(consul)
     ran = tmp_path / "ran"
+    cpu_before = _children_cpu()
     code, _, err = finish(consulrun("run", *common, "--wait", "2m", "longdelay", "--", "touch", str(ran)),
                           timeout=150)
     assert code == 0, err
     assert ran.exists()
     assert "no longer exists" not in err, err  # one session, renewed through the wait: never expired, never replaced
+    # It sleeps through lock-delay (a few attempts), rather than asking again and again: seconds of CPU, not the wait.
+    assert _children_cpu() - cpu_before < 5, _children_cpu() - cpu_before
     # session create, lock, release, destroy, plus a bounded number of refused attempts (not 2 per second).
     assert raft_applied(consul) - before <= 8, raft_applied(consul) - before
     assert sessions(consul) == []
+
+
+def _children_cpu() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
 
 
 def test_retry_standby_takes_over_through_a_long_lock_delay(consul: Agent, tmp_path: Path) -> None:
