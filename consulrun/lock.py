@@ -138,14 +138,12 @@ class Locker:
     def snapshot(self) -> tuple[dict[str, dict[str, Any]], str | None, dict[str, Any]]:
         """(the lock entries, why the job is paused or None, an operation that fails a transaction if the pause
         key changed since), read together: a pause landing between this look and the acquisition stops it."""
-        from consulrun.pause import describe, in_force, pause_key, value_of
+        from consulrun.pause import describe, in_force, pause_key, unchanged_op, value_of
 
-        key = pause_key(self.spec.base)
         lock_prefix = self.spec.keys()[0] if self.spec.concurrency == 1 else f"{self.spec.base}/slots/"
-        found = self.client.read_trees([lock_prefix, key])
-        pause_entry = found.pop(key, None)
-        guard = kv_op("check-index", key, Index=int(pause_entry["ModifyIndex"])) if pause_entry else \
-            kv_op("check-not-exists", key)
+        found = self.client.read_trees([lock_prefix, pause_key(self.spec.base)])
+        pause_entry = found.pop(pause_key(self.spec.base), None)
+        guard = unchanged_op(self.spec.base, int(pause_entry["ModifyIndex"]) if pause_entry else 0)
         paused = value_of(pause_entry)
         entries = {k: e for k, e in found.items() if k in self.spec.keys()}
         return entries, (describe(paused) if in_force(paused) else None), guard

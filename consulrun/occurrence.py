@@ -86,6 +86,7 @@ class Ledger:
         """`health_prefix`: the KV prefix whose external node holds the job's health check, which every result
         written here then updates in the same transaction (see the health module); None: no check."""
         self.client = client
+        self.base = base
         self.job = base.rsplit("/", 1)[-1]
         self.health_prefix = health_prefix
         self.record_key = f"{base}/occurrence"
@@ -106,13 +107,6 @@ class Ledger:
                         trigger=decoded(trigger) or None, trigger_index=int(trigger["ModifyIndex"]) if trigger else 0,
                         pause_index=int(entries[self.pause_key]["ModifyIndex"]) if self.pause_key in entries else 0)
 
-    def pause_guard(self, snap: Snapshot) -> dict[str, Any]:
-        """An operation that fails a claim if the pause key changed since `snap` read it: a pause that lands
-        between the look and the claim stops the run (the claim fails, the next look skips)."""
-        if snap.pause_index:
-            return kv_op("check-index", self.pause_key, Index=snap.pause_index)
-        return kv_op("check-not-exists", self.pause_key)
-
     def manual_key(self, claim: dict[str, Any]) -> str:
         return f"{self.history_prefix}{claim['started']}~manual"
 
@@ -123,7 +117,7 @@ class Ledger:
                  "trigger": trigger.get("id"), "state": "running", "node": holder.get("node"),
                  "session": holder.get("session"), "started": holder.get("started")}
         return [kv_op("delete-cas", self.trigger_key, Index=snap.trigger_index),
-                kv_op("set", self.manual_key(claim), claim), self.pause_guard(snap)], claim
+                kv_op("set", self.manual_key(claim), claim), pause.unchanged_op(self.base, snap.pause_index)], claim
 
     def manual_finish_ops(self, claim: dict[str, Any], outcome: dict[str, Any], state: str) -> list[dict[str, Any]]:
         return [kv_op("set", self.manual_key(claim), {**claim, **outcome, "state": state})]
@@ -155,7 +149,8 @@ class Ledger:
                  "started": holder.get("started"), "takeover": takeover, "attempt": len(earlier) + 1,
                  "schedule": list(occ.specs), "zone": calendar.local_zone_name(),
                  "zone_offsets": calendar.zone_offsets(occ.when), "earlier": earlier}
-        ops = [kv_op("cas", self.record_key, claim, Index=snap.record_index), self.pause_guard(snap)]
+        ops = [kv_op("cas", self.record_key, claim, Index=snap.record_index),
+               pause.unchanged_op(self.base, snap.pause_index)]
         if record.get("state") == "running" and record.get("occurrence", "") < occ.id:
             # Its runner died before recording a result: say so in the history rather than leave a gap.
             ops.append(kv_op("set", self.history_prefix + record["occurrence"],

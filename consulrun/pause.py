@@ -38,6 +38,13 @@ def pause_key(base: str) -> str:
     return f"{base}/pause"
 
 
+def unchanged_op(base: str, index: int) -> dict[str, Any]:
+    """A transaction operation that fails unless the pause key is as a look read it (`index`, 0: absent): a
+    claim carrying it is refused when a pause landed between the look and the claim."""
+    key = pause_key(base)
+    return kv_op("check-index", key, Index=index) if index else kv_op("check-not-exists", key)
+
+
 def value_of(entry: dict[str, Any] | None) -> dict[str, Any] | None:
     """The pause key's value; a key someone wrote that is not a readable pause still pauses (fail closed)."""
     if entry is None:
