@@ -78,3 +78,46 @@ def test_xfail_and_skip_fail_the_run(tmp_path: Path) -> None:
         assert result.returncode == 1, result.stdout
         assert f"FAILED: {words}; this suite treats a skip or an xfail as a failure" in result.stdout
     assert _pytest(copy, "tests/test_dodge.py::test_ok").returncode == 0
+
+
+# --- the private LAN: a killed run's leftovers do not block the next run -----------------------------------
+
+
+def _routed(net: str) -> str:
+    return subprocess.run(["ip", "route", "show", net], capture_output=True, text=True, check=True).stdout.strip()
+
+
+def test_a_killed_runs_network_is_cleared_and_a_live_one_is_refused() -> None:
+    """A run killed before its teardown left its bridge and namespace; CI failed on that once (subnet already routed)."""
+    from tests.harness.netns import Network
+
+    subnet = "10.213.79.0/24"
+    leftover = Network(1, subnet=subnet, tag="zl").up()
+    # The same pid made it, but a killed run's pid is gone: fake that by writing a dead owner into its alias.
+    subprocess.run(["ip", "link", "set", "dev", leftover.bridge, "alias", "consulrun-test:999999999:1"], check=True)
+    fresh = Network(1, subnet=subnet, tag="zf")
+    try:
+        fresh.up()
+        assert f"dev {fresh.bridge} " in _routed(subnet) + " "
+        gone = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True).stdout
+        assert leftover.namespace(0) not in gone and fresh.namespace(0) in gone
+        assert subprocess.run(["ip", "link", "show", leftover.bridge], capture_output=True).returncode != 0
+
+        # A network whose owner lives (this process) is not touched, and neither is one with a process inside.
+        with pytest.raises(RuntimeError, match="already routed"):
+            Network(1, subnet=subnet, tag="zs").up()
+        subprocess.run(["ip", "link", "set", "dev", fresh.bridge, "alias", "consulrun-test:999999999:1"], check=True)
+        sleeper = subprocess.Popen(["ip", "netns", "exec", fresh.namespace(0), "sleep", "60"])
+        try:
+            wait_for(lambda: subprocess.run(["ip", "netns", "pids", fresh.namespace(0)], capture_output=True,
+                                            text=True).stdout.strip() != "", 10, "the sleeper to enter the namespace")
+            with pytest.raises(RuntimeError, match="already routed"):
+                Network(1, subnet=subnet, tag="zs").up()
+            assert f"dev {fresh.bridge} " in _routed(subnet) + " "
+        finally:
+            sleeper.kill()
+            sleeper.wait()
+    finally:
+        fresh.down()
+        leftover.down()
+    assert _routed(subnet) == ""

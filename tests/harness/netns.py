@@ -9,10 +9,51 @@ from __future__ import annotations
 import ipaddress
 import os
 import subprocess
+from pathlib import Path
 
 
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
     return subprocess.run(["ip", *args], capture_output=True, text=True, check=check)
+
+
+OWNER_ALIAS = "consulrun-test:"
+
+
+def _start_time(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return ""
+
+
+def remove_if_stale(bridge: str) -> bool:
+    """Remove what a killed test run left behind on `bridge`: True if it was ours and dead, False if live or foreign.
+
+    A run killed before its teardown (a session's end, the CI's timeout) leaves
+    its bridge, veths and namespaces behind, and the next run's subnet is taken.
+    Ours is a `crbr<tag>` bridge; it is dead when the run that made it is gone
+    (the owner in its alias) and no process lives in any of its namespaces.
+    """
+    if not bridge.startswith("crbr"):
+        return False
+    tag = bridge[len("crbr"):]
+    alias = _ip("-o", "link", "show", "dev", bridge, check=False).stdout
+    if f"alias {OWNER_ALIAS}" in alias:
+        pid, _, started = alias.split(f"alias {OWNER_ALIAS}", 1)[1].split()[0].partition(":")
+        if pid.isdigit() and _start_time(int(pid)) == started and started:
+            return False
+    namespaces = [line.split()[0] for line in _ip("netns", "list", check=False).stdout.splitlines()
+                  if line.split() and line.split()[0].endswith(f"-{tag}") and line.startswith("crn")]
+    if any(_ip("netns", "pids", ns, check=False).stdout.strip() for ns in namespaces):
+        return False
+    for ns in namespaces:
+        _ip("netns", "del", ns, check=False)
+    for line in _ip("-o", "link", "show", check=False).stdout.splitlines():
+        name = line.split(":", 2)[1].strip().split("@")[0] if line.count(":") >= 2 else ""
+        if name.startswith("crv") and name.endswith(f"-{tag}"):
+            _ip("link", "del", name, check=False)
+    _ip("link", "del", bridge, check=False)
+    return True
 
 
 class Network:
@@ -42,10 +83,14 @@ class Network:
     def up(self) -> "Network":
         routes = _ip("route", "show", str(self.net)).stdout.strip()
         if routes:
-            raise RuntimeError(f"test subnet {self.net} is already routed on this machine: {routes}")
+            device = routes.split(" dev ", 1)[1].split()[0] if " dev " in routes else ""
+            if not remove_if_stale(device):
+                raise RuntimeError(f"test subnet {self.net} is already routed on this machine: {routes}")
         try:
             _ip("link", "add", self.bridge, "type", "bridge")
             self.created.append(("link", self.bridge))
+            # Who owns it, so a later run can tell a leftover of a killed run from a live one.
+            _ip("link", "set", "dev", self.bridge, "alias", f"{OWNER_ALIAS}{os.getpid()}:{_start_time(os.getpid())}")
             _ip("addr", "add", f"{self.net.network_address + 1}/{self.net.prefixlen}", "dev", self.bridge)
             _ip("link", "set", self.bridge, "up")
             for index, ns in enumerate(self.names):
