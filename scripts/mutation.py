@@ -10,7 +10,7 @@ through its library API. Running them is done here, one at a time, because:
 - mutmut 2's own runner keeps its cache keyed by line text and, here, recorded
   a mutated line as the original halfway through a run, then stopped.
 Results are kept per group (WORK/<group>/results.json), so a run cut short by
-its budget goes on where it stopped; a changed line is a new mutant.
+its budget goes on where it stopped; a changed line is a new mutant, a moved one is not.
 """
 
 from __future__ import annotations
@@ -100,9 +100,24 @@ def mutants_of(work: Path, rel: str, names: list[str], logged: list[str] | None 
             continue
         diff = "".join(difflib.unified_diff(source.splitlines(keepends=True), mutated.splitlines(keepends=True),
                                             f"a/{rel}", f"b/{rel}", n=0))
-        key = f"{rel}:{mid.line_number + 1}:{mid.index}:" + hashlib.sha1(mid.line.encode()).hexdigest()[:10]
-        out.append((key, mutated, diff))
+        out.append((mutant_key(rel, source, mid.line_number, mid.index), mutated, diff))
     return out
+
+
+def mutant_key(rel: str, source: str, line_index: int, index: int) -> str:
+    """`file:line:index:identity`; the identity (the line's text, and which of the file's lines with that text it
+    is) is what results are matched on, so lines added or removed elsewhere do not make a mutant new."""
+    lines = source.splitlines()
+    text = lines[line_index].strip()
+    nth = sum(1 for earlier in lines[:line_index] if earlier.strip() == text)
+    identity = hashlib.sha1(f"{text}\n{nth}".encode()).hexdigest()[:12]
+    return f"{rel}:{line_index + 1}:{index}:{identity}"
+
+
+def identity(key: str) -> str:
+    """What stays the same when a mutant's line moves: file, index on the line, the line's identity."""
+    parts = key.split(":")
+    return f"{parts[0]}:{parts[2]}:{parts[3]}" if len(parts) == 4 else key  # results.json holds identities already
 
 
 def run_tests(work: Path, tests: list[str], timeout_s: float) -> tuple[str, float]:
@@ -148,8 +163,9 @@ def run_group(name: str, group: dict, deadline: float, again: bool = False) -> N
     results: dict = json.loads(results_path.read_text()) if results_path.exists() else {}
     if again:  # tests were added for the survivors: run those mutants again, against the checkout as it is now
         results = {key: value for key, value in results.items() if value["status"] != "survived"}
+    results = {identity(key): value for key, value in results.items()}
     mutants = [m for rel, names in group["mutate"].items() for m in mutants_of(work, rel, names)]
-    todo = [m for m in mutants if m[0] not in results]
+    todo = [m for m in mutants if identity(m[0]) not in results]
     print(f"mutation: {name}: {len(mutants)} mutants, {len(todo)} to run; {len(group['tests'])} test arguments",
           flush=True)
     if not todo:
@@ -173,7 +189,7 @@ def run_group(name: str, group: dict, deadline: float, again: bool = False) -> N
                 status, took = run_tests(work, group["tests"], timeout_s)
             finally:
                 (work / rel).write_text(originals[rel], encoding="utf-8")
-            results[key] = {"status": status, "seconds": round(took, 1), "diff": diff}
+            results[identity(key)] = {"status": status, "seconds": round(took, 1), "diff": diff, "at": key}
             results_path.write_text(json.dumps(results, indent=1, sort_keys=True))
             print(f"  {status:8} {key.rsplit(':', 1)[0]} ({took:.0f}s)", flush=True)
     finally:
@@ -191,9 +207,11 @@ def report(groups: dict[str, dict]) -> None:
             summary.append(f"{name}: not run")
             continue
         logged: list[str] = []
-        current = {m[0] for rel, names in group["mutate"].items() for m in mutants_of(work, rel, names, logged)}
+        current = {identity(m[0]): m[0] for rel, names in group["mutate"].items()
+                   for m in mutants_of(work, rel, names, logged)}
         path = work / "results.json"
-        results = {k: v for k, v in (json.loads(path.read_text()) if path.exists() else {}).items() if k in current}
+        stored = {identity(k): v for k, v in (json.loads(path.read_text()) if path.exists() else {}).items()}
+        results = {current[k]: v for k, v in stored.items() if k in current}  # keyed by where the mutant is now
         counts: dict[str, int] = {}
         for value in results.values():
             counts[value["status"]] = counts.get(value["status"], 0) + 1
