@@ -8,7 +8,6 @@ and brackets IPv6 literals so they can be put back into a URL.
 
 from __future__ import annotations
 
-import ipaddress
 import re
 from dataclasses import dataclass
 
@@ -57,6 +56,8 @@ def parse_address(text: str, ssl: bool | None = None) -> Endpoint:
     host = match.group("host")
     if host.startswith("["):
         try:
+            import ipaddress
+
             ipaddress.IPv6Address(host[1:-1])
         except ValueError:
             raise AddressError(f"{text!r}: {host} is not an IPv6 address") from None

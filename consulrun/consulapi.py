@@ -2,28 +2,28 @@
 
 Settings come from the same variables the `consul` CLI reads, with the same
 meaning; every failure becomes one of consulrun's errors, so callers never see
-a `requests` or `consul` exception.
+a socket, TLS or HTTP exception. The transport is the standard library's
+`http.client`, one kept-alive connection per thread: every timer tick on every
+node starts `consulrun run`, and importing `requests` and py-consul cost more
+than the whole exchange with the agent (README, Dependencies).
 """
 
 from __future__ import annotations
 
 import base64
+import http.client
 import json
 import logging
 import os
+import select
 import socket
+import ssl
+import threading
+import urllib.parse
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
-
-import consul
-import consul.callback
-import requests
-import requests.adapters
-import urllib3
-import urllib3.connection
-import urllib3.exceptions
 
 from consulrun.errors import ConsulProtocolError, ConsulUnavailable, PermissionDenied, UsageError, os_reason
 
@@ -82,7 +82,7 @@ class ConsulConfig:
         """(scheme, host, port), an IPv6 host in brackets; CONSUL_HTTP_SSL decides the scheme when the address has none.
 
         A unix socket address gives ("http", "localhost", 80) only to a caller
-        that says it routes requests through `UnixSocketAdapter(socket_path)`.
+        that says it sends its requests to `socket_path` itself (the Client does).
         """
         from consulrun.address import AddressError, parse_address
 
@@ -146,27 +146,36 @@ def kv_op(verb: str, key: str, value: dict[str, Any] | None = None, **extra: Any
     return {"KV": op}
 
 
+class ConsulAnswer(Exception):
+    """An HTTP status that is not success: `code` and the body Consul sent, for `translated` to judge."""
+
+    def __init__(self, code: int, body: str) -> None:
+        super().__init__(f"{code} {body.strip()}")
+        self.code = code
+        self.body = body.strip()
+
+
 @contextmanager
 def translated(what: str) -> Iterator[None]:
     """Turn transport and API failures into consulrun errors naming `what` was being done."""
     try:
         yield
-    except requests.exceptions.SSLError as exc:
+    except ssl.SSLError as exc:  # before OSError: a TLS failure is one
         raise ConsulUnavailable(f"{what}: TLS failure talking to Consul: {_short(exc)}") from None
-    except requests.exceptions.Timeout:
+    except TimeoutError:
         raise ConsulUnavailable(f"{what}: Consul agent did not answer in time") from None
-    except requests.exceptions.ConnectionError as exc:
+    except (OSError, http.client.HTTPException) as exc:
         raise ConsulUnavailable(f"{what}: Consul agent not reachable: {_reason(exc)}") from None
-    except consul.ACLPermissionDenied as exc:
-        raise PermissionDenied(f"{what}: Consul ACL denied it: {_short(exc)}") from None
-    except consul.ConsulException as exc:
+    except ConsulAnswer as exc:
+        if exc.code == 403:
+            raise PermissionDenied(f"{what}: Consul ACL denied it: {_short(ValueError(exc.body))}") from None
         text = _short(exc)
-        if text.startswith("5") or "No cluster leader" in text or "rpc error" in text:
+        if exc.code >= 500 or "No cluster leader" in text or "rpc error" in text:
             raise ConsulUnavailable(f"{what}: Consul cannot serve the request: {text}",
                                     transient=_election(text)) from None
         raise ConsulProtocolError(f"{what}: unexpected answer from Consul: {text}") from None
     except ValueError as exc:  # a body that is not the JSON Consul promises
-        raise ConsulProtocolError(f"{what}: unexpected answer from Consul: {exc}") from None
+        raise ConsulProtocolError(f"{what}: unexpected answer from Consul: {_short(exc)}") from None
     except (KeyError, IndexError, TypeError, AttributeError) as exc:  # JSON, but not of the shape Consul promises
         raise ConsulProtocolError(f"{what}: unexpected answer from Consul: {type(exc).__name__}: {_short(exc)}") from None
 
@@ -186,13 +195,13 @@ def _election(text: str) -> bool:
 
 
 def _reason(exc: BaseException) -> str:
-    """The innermost cause of a connection failure ("Connection refused"), not urllib3's retry essay."""
-    text = str(exc)
-    for marker in ("[Errno", "NameResolutionError", "RemoteDisconnected", "ConnectionResetError"):
-        if marker in text:
-            tail = text[text.index(marker):]
-            return tail.split("]", 1)[-1].strip(" '\")") if marker == "[Errno" else marker
-    return _short(exc)
+    """The cause of a connection failure in a few words ("connection refused"), not Python's `[Errno 111] ...`."""
+    if isinstance(exc, OSError) and (exc.strerror or exc.errno):
+        where = f"{exc.filename}: " if exc.filename else ""
+        return where + os_reason(exc)
+    if isinstance(exc, http.client.RemoteDisconnected):
+        return "the agent closed the connection without an answer"
+    return _short(exc) or type(exc).__name__
 
 
 def _short(exc: BaseException) -> str:
@@ -200,54 +209,53 @@ def _short(exc: BaseException) -> str:
     return text if len(text) < 300 else text[:297] + "..."
 
 
-class _ServerNameAdapter(requests.adapters.HTTPAdapter):
-    """Verify the agent's certificate against CONSUL_TLS_SERVER_NAME instead of the address's host."""
+class _UnixConnection(http.client.HTTPConnection):
+    """HTTP to the agent's unix socket (CONSUL_HTTP_ADDR=unix:///path); the host name is only the Host header."""
 
-    def __init__(self, server_name: str) -> None:
-        self.server_name = server_name
-        super().__init__()
+    def __init__(self, socket_path: str, timeout: float) -> None:
+        super().__init__("localhost", timeout=timeout)
+        self.socket_path = socket_path
 
-    def init_poolmanager(self, *args: Any, **kwargs: Any) -> None:
-        kwargs["server_hostname"] = self.server_name
-        kwargs["assert_hostname"] = self.server_name
-        super().init_poolmanager(*args, **kwargs)
-
-
-class _UnixSocketConnection(urllib3.connection.HTTPConnection):
-    """An HTTP connection to a unix socket (CONSUL_HTTP_ADDR=unix:///path), the host name being only a label."""
-
-    socket_path = ""
-
-    def _new_conn(self) -> socket.socket:
+    def connect(self) -> None:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        sock.settimeout(self.timeout if isinstance(self.timeout, (int, float)) else None)
+        sock.settimeout(self.timeout)
         try:
             sock.connect(self.socket_path)
         except OSError as exc:
             sock.close()
-            raise urllib3.exceptions.NewConnectionError(self, f"{self.socket_path}: {exc.strerror}") from exc
-        return sock
+            raise OSError(exc.errno, exc.strerror, self.socket_path) from None
+        self.sock = sock
 
 
-class UnixSocketAdapter(requests.adapters.HTTPAdapter):
-    """Send a session's http:// requests to the agent's unix socket; mount it on the Client's session.
+class _TLSConnection(http.client.HTTPSConnection):
+    """HTTPS whose certificate is checked against CONSUL_TLS_SERVER_NAME when set, else the address's host."""
 
-    Timeouts, retries and error types stay requests' own, so `translated`
-    reports a missing socket as "Consul agent not reachable", exit 69.
-    """
+    def __init__(self, host: str, port: int, timeout: float, context: ssl.SSLContext, server_name: str | None) -> None:
+        super().__init__(host, port, timeout=timeout, context=context)
+        self.server_name = server_name or host
 
-    def __init__(self, socket_path: str) -> None:
-        super().__init__()
-        self._connection = type("_Connection", (_UnixSocketConnection,), {"socket_path": socket_path})
+    def connect(self) -> None:
+        http.client.HTTPConnection.connect(self)
+        self.sock = self._context.wrap_socket(self.sock, server_hostname=self.server_name)
 
-    def get_connection_with_tls_context(self, request: Any, verify: Any, proxies: Any = None,
-                                        cert: Any = None) -> urllib3.HTTPConnectionPool:
-        pool = urllib3.HTTPConnectionPool("localhost")
-        pool.ConnectionCls = self._connection
-        return pool
 
-    def request_url(self, request: Any, proxies: Any) -> str:
-        return request.path_url
+def _tls_context(config: ConsulConfig) -> ssl.SSLContext:
+    """The agent's certificate checked against CONSUL_CACERT (else the system's CAs), unless CONSUL_HTTP_SSL_VERIFY=false."""
+    try:
+        context = ssl.create_default_context(cafile=config.ca_file if config.ssl_verify else None)
+        if not config.ssl_verify:
+            context.check_hostname = False
+            context.verify_mode = ssl.CERT_NONE
+        if config.client_cert:
+            context.load_cert_chain(config.client_cert, config.client_key)
+    except (OSError, ssl.SSLError) as exc:
+        files = ", ".join(f for f in (config.ca_file, config.client_cert, config.client_key) if f)
+        reason = _short(exc) if isinstance(exc, ssl.SSLError) else os_reason(exc)
+        raise UsageError(f"Consul TLS files ({files}): {reason}") from None
+    return context
+
+
+Response = tuple[int, http.client.HTTPMessage, str]
 
 
 class Client:
@@ -256,54 +264,112 @@ class Client:
     def __init__(self, config: ConsulConfig, timeout: float = 10.0, label: str | None = None) -> None:
         """`label` (a job name) starts every line this client logs."""
         scheme, host, port = config.endpoint(allow_unix=True)
-        verify: bool | str = config.ca_file or config.ssl_verify
-        cert = (config.client_cert, config.client_key) if config.client_cert and config.client_key else config.client_cert
-        self._api = consul.Consul(host=host, port=port, scheme=scheme, verify=verify, cert=cert,
-                                  connections_timeout=timeout)
-        # py-consul lets CONSUL_HTTP_TOKEN override an explicit token; ours is resolved already.
-        self._api.token = config.resolved_token(label)
-        if scheme == "https" and config.tls_server_name:
-            self._api.http.session.mount("https://", _ServerNameAdapter(config.tls_server_name))
-        socket_path = config.socket_path
-        if socket_path:
-            self._api.http.session.mount("http://", UnixSocketAdapter(socket_path))
-        self.address = f"unix://{socket_path}" if socket_path else f"{scheme}://{host}:{port}"
+        self._config = config
+        self._scheme, self._host, self._port = scheme, host.strip("[]"), port
+        self._socket_path = config.socket_path
+        self._timeout = timeout
+        self._context: ssl.SSLContext | None = None
+        self._local = threading.local()  # one connection per thread: the watcher's blocking reads beside the main's
+        self._token = config.resolved_token(label)
+        self.address = f"unix://{self._socket_path}" if self._socket_path else f"{scheme}://{host}:{port}"
         self.label = label
 
     def _translated(self, what: str) -> Any:
         return translated(f"{what} via {self.address}")
 
+    def _connection(self, timeout: float) -> http.client.HTTPConnection:
+        conn: http.client.HTTPConnection | None = getattr(self._local, "conn", None)
+        if conn is not None and conn.sock is not None:
+            # The agent may have closed an idle connection; reading that now beats failing a write on it later.
+            if select.select([conn.sock], [], [], 0)[0]:
+                conn.close()
+            else:
+                conn.sock.settimeout(timeout)
+                return conn
+        if self._socket_path:
+            conn = _UnixConnection(self._socket_path, timeout)
+        elif self._scheme == "https":
+            if self._context is None:
+                self._context = _tls_context(self._config)
+            conn = _TLSConnection(self._host, self._port, timeout, self._context, self._config.tls_server_name)
+        else:
+            conn = http.client.HTTPConnection(self._host, self._port, timeout=timeout)
+        self._local.conn = conn
+        return conn
+
+    def _call(self, method: str, path: str, params: list[tuple[str, Any]] | None = None, body: str | bytes | None = None,
+              *, wait_s: float | None = None, allow_404: bool = True) -> Response:
+        """One request; (status, headers, body text). A status other than 2xx (and 404 if allowed) raises ConsulAnswer.
+
+        A blocking read (`wait_s`) may take its wait plus Consul's jitter of up
+        to a sixteenth of it before answering; the timeout allows for that.
+        """
+        url = urllib.parse.quote(path, safe="/:")
+        if params:
+            url += "?" + urllib.parse.urlencode(params)
+        headers = {"X-Consul-Token": self._token} if self._token else {}
+        if isinstance(body, str):
+            body = body.encode("utf-8")  # http.client would send a str as Latin-1
+        timeout = self._timeout + (wait_s + wait_s / 16 if wait_s is not None else 0)
+        conn = self._connection(timeout)
+        try:
+            conn.request(method, url, body=body, headers=headers)
+            response = conn.getresponse()
+            text = response.read().decode("utf-8", "replace")
+        except BaseException:
+            conn.close()
+            self._local.conn = None
+            raise
+        code = response.status
+        if not (200 <= code < 300 or (code == 404 and allow_404)):
+            raise ConsulAnswer(code, text)
+        return code, response.headers, text
+
+    def _json(self, method: str, path: str, params: list[tuple[str, Any]] | None = None, body: str | None = None,
+              **kwargs: Any) -> tuple[int, Any]:
+        """(X-Consul-Index, the decoded JSON body; None for a 404)."""
+        code, headers, text = self._call(method, path, params, body, **kwargs)
+        return int(headers.get("X-Consul-Index") or 0), (None if code == 404 else json.loads(text))
+
     def node_name(self) -> str:
-        # py-consul's agent.self() sends no ACL token; the raw call with our headers does.
         with self._translated("reading the local agent's node name"):
-            return self._api.http.get(consul.callback.CB.json(), "/v1/agent/self",
-                                      headers=self._api.prepare_headers())["Config"]["NodeName"]
+            return self._json("GET", "/v1/agent/self")[1]["Config"]["NodeName"]
 
     def check_kinds(self) -> dict[str, str]:
         """Check ID -> service ID ('' for node checks) of the local agent's checks."""
         with self._translated("listing the local agent's checks"):
-            return {cid: c.get("ServiceID", "") for cid, c in self._api.agent.checks().items()}
+            return {cid: c.get("ServiceID", "") for cid, c in self._json("GET", "/v1/agent/checks")[1].items()}
 
     def kv_get(self, key: str, *, index: int | None = None, wait_s: float | None = None,
                consistent: bool = False, recurse: bool = False) -> tuple[int, Any]:
-        wait = f"{max(1, int(wait_s * 1000))}ms" if wait_s is not None else None
+        params: list[tuple[str, Any]] = []
+        if index is not None:
+            params.append(("index", index))
+            if wait_s is not None:
+                params.append(("wait", f"{max(1, int(wait_s * 1000))}ms"))
+        if recurse:
+            params.append(("recurse", "1"))
+        if consistent:
+            params.append(("consistent", "1"))
+        blocking = (wait_s if wait_s is not None else 300.0) if index is not None else None
         with self._translated(f"reading {key}"):
-            idx, value = self._api.kv.get(key, index=index, wait=wait, recurse=recurse,
-                                          consistency="consistent" if consistent else None)
-            entries = value if recurse else [value]
-            if value is not None and not (isinstance(entries, list) and all(
+            idx, entries = self._json("GET", f"/v1/kv/{key}", params, wait_s=blocking)
+            if entries is not None and not (isinstance(entries, list) and all(
                     isinstance(e, dict) and isinstance(e.get("Key"), str) for e in entries)):
-                raise ValueError(f"not a list of KV entries: {_short(ValueError(json.dumps(value)))}")
-            return int(idx), value
+                raise ValueError(f"not a list of KV entries: {_short(ValueError(json.dumps(entries)))}")
+            for entry in entries or []:
+                if entry.get("Value") is not None:
+                    entry["Value"] = base64.b64decode(entry["Value"])
+            return idx, (entries if recurse else (entries[0] if entries else None))
 
     def kv_acquire(self, key: str, value: str, session: str) -> bool:
         with self._translated(f"acquiring {key}"):
-            return bool(self._api.kv.put(key, value, acquire=session))
+            return self._json("PUT", f"/v1/kv/{key}", [("acquire", session)], value)[1] is True
 
     def kv_release(self, key: str, value: str, session: str) -> bool:
         """Release `key`; a PUT always sets the value, so the caller says what it becomes."""
         with self._translated(f"releasing {key}"):
-            return bool(self._api.kv.put(key, value, release=session))
+            return self._json("PUT", f"/v1/kv/{key}", [("release", session)], value)[1] is True
 
     def txn(self, ops: list[dict[str, Any]], *, optional_checks: bool = False) -> list[dict[str, Any]] | None:
         """Apply `ops` atomically; the results, or None if Consul rolled the transaction back.
@@ -329,72 +395,62 @@ class Client:
             return self._txn([op for op in ops if "Check" not in op])
 
     def _txn(self, ops: list[dict[str, Any]]) -> list[dict[str, Any]] | None:
-        def answer(response: Any) -> list[dict[str, Any]] | None:
-            if response.code == 409:
-                found = json.loads(response.body or "{}").get("Errors") or []
+        with self._translated("applying a transaction"):
+            try:
+                _, _, text = self._call("PUT", "/v1/txn", body=json.dumps(ops))
+            except ConsulAnswer as answer:
+                if answer.code != 409:
+                    raise
+                found = json.loads(answer.body or "{}").get("Errors") or []
                 if found and all("Check" in ops[int(e.get("OpIndex") or 0)] for e in found
                                  if int(e.get("OpIndex") or 0) < len(ops)):
-                    raise _ChecksRefused("; ".join(e.get("What") or "" for e in found))
+                    raise _ChecksRefused("; ".join(e.get("What") or "" for e in found)) from None
                 errors = [e.get("What") or "" for e in found]
                 if any("invalid session" in what for what in errors):
-                    raise SessionInvalid("Consul no longer knows the session: " + errors[0])
+                    raise SessionInvalid("Consul no longer knows the session: " + errors[0]) from None
                 if any("Permission denied" in what or "ACL not found" in what for what in errors):
-                    raise consul.ACLPermissionDenied("; ".join(errors))
+                    raise ConsulAnswer(403, "; ".join(errors)) from None
                 return None
-            consul.callback.CB._status(response)  # noqa: SLF001 - py-consul's own status mapping
-            return json.loads(response.body).get("Results") or []
-
-        # py-consul's txn.put sends no ACL token; the raw call with our headers does.
-        with self._translated("applying a transaction"):
-            return self._api.http.put(answer, "/v1/txn", headers=self._api.prepare_headers(), data=json.dumps(ops))
+            return json.loads(text).get("Results") or []
 
     def read_trees(self, prefixes: list[str], consistent: bool = False) -> dict[str, dict[str, Any]]:
         """Every key under each of `prefixes`, read in one read-only transaction (no Raft write): one snapshot."""
         ops = [{"KV": {"Verb": "get-tree", "Key": prefix}} for prefix in prefixes]
-        params = {"consistent": ""} if consistent else {}
-
-        def answer(response: Any) -> dict[str, dict[str, Any]]:
-            consul.callback.CB._status(response)  # noqa: SLF001
-            entries = [r["KV"] for r in json.loads(response.body).get("Results") or [] if r.get("KV")]
+        with self._translated("reading " + ", ".join(prefixes)):
+            _, found = self._json("PUT", "/v1/txn", [("consistent", "")] if consistent else None, json.dumps(ops))
+            entries = [r["KV"] for r in found.get("Results") or [] if r.get("KV")]
             for entry in entries:
                 if entry.get("Value") is not None:
                     entry["Value"] = base64.b64decode(entry["Value"])
             return {e["Key"]: e for e in entries}
 
-        with self._translated("reading " + ", ".join(prefixes)):
-            return self._api.http.put(answer, "/v1/txn", params=list(params.items()),
-                                      headers=self._api.prepare_headers(), data=json.dumps(ops))
-
     def session_create(self, *, name: str, ttl_ms: int, lock_delay_ms: int,
                        node_checks: list[str], service_checks: list[str]) -> str:
-        # py-consul's session.create has no NodeChecks/ServiceChecks; use its raw call.
         body: dict[str, Any] = {"Name": name, "TTL": f"{ttl_ms // 1000}s", "LockDelay": f"{lock_delay_ms}ms",
                                 "Behavior": "release", "NodeChecks": node_checks}
         if service_checks:
             body["ServiceChecks"] = [{"ID": cid} for cid in service_checks]
         with self._translated("creating a session"):
-            return self._api.http.put(consul.callback.CB.json(is_id=True), "/v1/session/create",
-                                      headers=self._api.prepare_headers(), data=json.dumps(body))
+            return self._json("PUT", "/v1/session/create", body=json.dumps(body), allow_404=False)[1]["ID"]
 
     def session_renew(self, session: str) -> bool:
         """True if the session still exists after renewal."""
         with self._translated("renewing the session"):
-            try:
-                return self._api.session.renew(session) is not None
-            except consul.NotFound:
-                return False
+            code, _, _ = self._call("PUT", f"/v1/session/renew/{session}")
+            return code != 404
 
     def session_destroy(self, session: str) -> None:
         with self._translated("destroying the session"):
-            self._api.session.destroy(session)
+            self._call("PUT", f"/v1/session/destroy/{session}", allow_404=False)
 
     def node_health(self, node: str) -> list[dict[str, Any]]:
         with self._translated(f"reading the health of node {node}"):
-            return self._api.health.node(node)[1] or []
+            return self._json("GET", f"/v1/health/node/{node}")[1] or []
 
     def session_info(self, session: str) -> dict[str, Any] | None:
         with self._translated("reading a session"):
-            return self._api.session.info(session)[1]
+            found = self._json("GET", f"/v1/session/info/{session}")[1]
+            return found[0] if found else None
 
     def session_destroy_checked(self, session: str) -> bool:
         """Destroy a session; False if it did not exist."""
@@ -408,15 +464,12 @@ class Client:
     # turn that header into PermissionDenied, so a hidden key, session or check is never taken for absent.
 
     def _visible(self, what: str, path: str, params: list[tuple[str, Any]]) -> tuple[int, Any]:
-        def answer(response: Any) -> tuple[int, Any]:
-            consul.callback.CB._status(response)  # noqa: SLF001 - py-consul's own status mapping (403 included)
-            if str(response.headers.get(ACL_FILTERED_HEADER, "")).lower() == "true":
-                raise consul.ACLPermissionDenied(f"the token cannot read all of it ({ACL_FILTERED_HEADER})")
-            index = int(response.headers.get("X-Consul-Index") or 0)
-            return index, (None if response.code == 404 else json.loads(response.body))
-
+        wait = next((float(v[:-2]) / 1000 for k, v in params if k == "wait"), None)
         with self._translated(what):
-            return self._api.http.get(answer, path, params=params, headers=self._api.prepare_headers())
+            code, headers, text = self._call("GET", path, params, wait_s=wait)
+            if str(headers.get(ACL_FILTERED_HEADER, "")).lower() == "true":
+                raise ConsulAnswer(403, f"the token cannot read all of it ({ACL_FILTERED_HEADER})")
+            return int(headers.get("X-Consul-Index") or 0), (None if code == 404 else json.loads(text))
 
     def kv_tree(self, prefix: str, *, index: int | None = None, wait_s: float | None = None) -> tuple[int, list[dict[str, Any]]]:
         """Every entry under `prefix` (values decoded to text); PermissionDenied if ACLs hid any of them."""
@@ -442,8 +495,7 @@ class Client:
     def catalog_register(self, registration: dict[str, Any]) -> None:
         """Register (or update) a node and its service in the catalog: one Raft write."""
         with self._translated(f"registering {registration.get('Node')} in the catalog"):
-            self._api.http.put(consul.callback.CB.boolean(), "/v1/catalog/register",
-                               headers=self._api.prepare_headers(), data=json.dumps(registration))
+            self._call("PUT", "/v1/catalog/register", body=json.dumps(registration), allow_404=False)
 
     def node_checks(self, node: str) -> list[dict[str, Any]]:
         """Every check of `node`; PermissionDenied if ACLs hid any of them."""

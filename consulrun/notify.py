@@ -19,8 +19,6 @@ import socket
 import subprocess
 import threading
 import time
-import urllib.error
-import urllib.request
 from typing import Any
 
 log = logging.getLogger("consulrun")
@@ -97,10 +95,12 @@ class Pings:
                 return
             self._sending = url
             try:
+                import urllib.request  # here: a run without a ping URL (most) does not pay for it
+
                 request = urllib.request.Request(url, headers={"User-Agent": "consulrun"})
                 with urllib.request.urlopen(request, timeout=self.timeout_s) as response:  # noqa: S310 - http(s) only
                     response.read(1024)
-            except (urllib.error.URLError, OSError, ValueError) as exc:
+            except (OSError, ValueError) as exc:  # urllib.error.URLError is an OSError
                 log.warning("%s: ping %s failed: %s", self.job, _redacted(url), getattr(exc, "reason", exc))
 
 

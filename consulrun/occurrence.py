@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
 
-from consulrun import calendar, health, pause, testhook
+from consulrun import calendar, pause, testhook
 from consulrun.consulapi import Client, decoded, kv_op
 from consulrun.errors import ConsulrunError, ConsulUnavailable, UsageError
 from consulrun.lock import Held, Locker, LockDelayRetry, clock, describe_holder, now_iso
@@ -172,7 +172,11 @@ class Ledger:
 
     def health_ops(self, record: dict[str, Any]) -> list[dict[str, Any]]:
         """The job's health check set from `record`, last in the transaction (dropped if Consul refuses it)."""
-        return [health.finish_op(self.health_prefix, self.job, record)] if self.health_prefix else []
+        if not self.health_prefix:
+            return []
+        from consulrun.health import finish_op  # the skip path does not need it
+
+        return [finish_op(self.health_prefix, self.job, record)]
 
     def prune_ops(self, entries: list[dict[str, Any]], keep: str) -> list[dict[str, Any]]:
         """Deletes of the oldest history entries beyond the limit, occurrences and manual runs counted apart;

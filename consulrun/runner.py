@@ -23,13 +23,16 @@ import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from types import FrameType
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
-from consulrun import health, notify, occurrence, testhook
-from consulrun.child import Job, become_subreaper
+from consulrun import testhook
 from consulrun.consulapi import Client, ConsulConfig
 from consulrun.errors import ConsulrunError, ConsulUnavailable, ExitCode, JobNotStarted, UsageError
 from consulrun.lock import Fencing, Held, Interrupted, Locker, LockSpec, Watcher, clock, now_iso as _now
+
+if TYPE_CHECKING:  # a skipping run imports none of these (issue: lean hot path)
+    from consulrun import occurrence
+    from consulrun.child import Job
 
 log = logging.getLogger("consulrun")
 
@@ -176,6 +179,8 @@ def _start_retry_budget(request: RunRequest) -> float:
     """Transient answers at start are retried this long: START_RETRY_S, and at most half the occurrence's span."""
     if not request.schedules:
         return START_RETRY_S
+    from consulrun import occurrence
+
     occ = occurrence.current(list(request.schedules), datetime.now(timezone.utc))
     if occ is None or occ.next_when is None:
         return START_RETRY_S
@@ -224,6 +229,8 @@ def _acquire_with_retries(request: RunRequest, locker: Locker) -> tuple[Held | N
             if not request.schedules:
                 held, why = locker.acquire()
                 return held, None, None, why
+            from consulrun import occurrence
+
             occ = occurrence.current(list(request.schedules), datetime.now(timezone.utc))
             if occ is None:
                 raise UsageError("the schedule has no occurrence at or before now; nothing to run")
@@ -256,7 +263,9 @@ def _run_held(request: RunRequest, locker: Locker, held: Held, fencing: Fencing,
     job: Job | None = None
     outcome: dict[str, Any] = {}
     status: int = ExitCode.SOFTWARE
-    pings = notify.Pings(request.ping_url, spec.job)
+    from consulrun.notify import Pings
+
+    pings = Pings(request.ping_url, spec.job)
     try:
         testhook.pause("acquired", lambda: bool(signals.received))
         if signals.received:
@@ -264,6 +273,8 @@ def _run_held(request: RunRequest, locker: Locker, held: Held, fencing: Fencing,
             log.info("%s: %s after acquiring the lock; the job is not started", spec.job, signal.Signals(signum).name)
             outcome = {"lost": f"{signal.Signals(signum).name} before the job started"}
             return 128 + signum
+        from consulrun.child import Job, become_subreaper
+
         become_subreaper()
         _confirm_before_start(locker, held, watcher, fencing)
         # From the last look at the signals to the fork, a signal waits (blocked), then reaches the job.
@@ -375,7 +386,9 @@ def _health_check(request: RunRequest) -> Callable[[dict[str, Any]], dict[str, A
     if not request.health_check:
         return None
     spec = request.spec
-    return lambda last: health.finish_op(spec.prefix, spec.job, last)
+    from consulrun.health import finish_op
+
+    return lambda last: finish_op(spec.prefix, spec.job, last)
 
 
 def _close(locker: Locker, held: Held, ledger: occurrence.Ledger | None, claim: dict[str, Any] | None,

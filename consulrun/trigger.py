@@ -15,7 +15,6 @@ from __future__ import annotations
 import signal
 import subprocess
 import time
-import uuid
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any, Callable
@@ -78,6 +77,8 @@ def trigger(client: Client, base: str, unit: str, *, wait_s: float,
     if paused is not None and in_force(value_of(paused)):
         raise NotTriggered(f"the job is {describe(value_of(paused) or {})}; resume it first; not triggered")
     _wait_free(client, lock_key, wait_s)
+    import uuid
+
     request = {"id": str(uuid.uuid4()), "by": who(),
                "at": datetime.now(timezone.utc).isoformat(timespec="seconds").replace("+00:00", "Z"),
                "node": client.node_name()}

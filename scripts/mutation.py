@@ -20,8 +20,10 @@ import difflib
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
+import sysconfig
 import time
 import tomllib
 from pathlib import Path
@@ -32,6 +34,7 @@ REPO = Path(__file__).resolve().parents[1]
 CONFIG = REPO / "scripts" / "mutation.toml"
 WORK = Path(os.environ.get("MUTATION_DIR", "/tmp/consulrun-mutation"))
 BUDGET_S = int(os.environ.get("MUTATION_BUDGET", "3600"))
+COVERAGE = os.environ.get("MUTATION_COVERAGE", "1") != "0"  # 0: every mutant runs the group's whole test list
 
 
 def copy_checkout(work: Path) -> None:
@@ -151,6 +154,73 @@ def _kill_session(sid: int) -> None:
                 pass
 
 
+# Every Python process of the venv starts coverage when COVERAGE_PROCESS_START names a config (coverage's own
+# subprocess hook): the wrappers the tests start run consulrun, not the pytest process.
+COVERAGE_PTH = ("import os; os.environ.get('COVERAGE_PROCESS_START') and "
+                "__import__('coverage').process_startup()\n")
+
+
+def coverage_by_test(work: Path, tests: list[str]) -> dict[str, set[str]] | None:
+    """Test id -> the `file:line`s of consulrun/ it runs, in pytest and in every process it starts; None if the
+    group's arguments are not all test ids (then every mutant runs them all).
+
+    Kept in WORK/<group>/coverage-by-test.json for as long as the code and the tests are the same.
+    """
+    import coverage
+
+    if not all("::" in test for test in tests):
+        return None
+    digest = hashlib.sha1("\n".join(tests).encode())
+    for path in sorted([*(work / "consulrun").glob("*.py"), *(work / "tests").rglob("*.py")]):
+        digest.update(path.read_bytes())
+    cache = work / "coverage-by-test.json"
+    if cache.exists():
+        stored = json.loads(cache.read_text())
+        if stored.get("digest") == digest.hexdigest():
+            return {test: set(lines) for test, lines in stored["tests"].items()}
+    (Path(sysconfig.get_paths()["purelib"]) / "consulrun_mutation_coverage.pth").write_text(COVERAGE_PTH)
+    found: dict[str, set[str]] = {}
+    for number, test in enumerate(tests):
+        where = work / ".coverage-runs" / str(number)
+        shutil.rmtree(where, ignore_errors=True)
+        where.mkdir(parents=True)
+        (where / "rc").write_text(f"[run]\nparallel = true\ndata_file = {where}/.coverage\nsource = {work}/consulrun\n"
+                                  "sigterm = true\n")
+        env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1", "COVERAGE_PROCESS_START": str(where / "rc")}
+        proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", test], cwd=work, env=env,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True, timeout=900)
+        cov = coverage.Coverage(data_file=str(where / ".coverage"))
+        cov.combine([str(where)], keep=False)
+        data = cov.get_data()
+        found[test] = {f"{Path(f).relative_to(work)}:{n}" for f in data.measured_files() for n in data.lines(f) or []}
+        print(f"  coverage {len(found[test]):5} lines  {test}" + ("" if proc.returncode == 0 else " (FAILED)"),
+              flush=True)
+    cache.write_text(json.dumps({"digest": digest.hexdigest(), "tests": {t: sorted(v) for t, v in found.items()}}))
+    return found
+
+
+def statement_lines(source: str) -> dict[int, range]:
+    """Line -> the lines of the innermost statement holding it: a mutant on a continuation line of a call counts
+    as covered when any line of its statement ran (coverage may name only the statement's first line)."""
+    spans: dict[int, range] = {}
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.stmt):
+            span = range(node.lineno, (node.end_lineno or node.lineno) + 1)
+            for line in span:
+                if line not in spans or len(span) < len(spans[line]):
+                    spans[line] = span
+    return spans
+
+
+def covering(key: str, tests: list[str], by_test: dict[str, set[str]] | None, spans: dict[str, dict[int, range]]) -> list[str]:
+    """The tests (in the group's order) that run the mutated statement; all of them without coverage data."""
+    if by_test is None:
+        return tests
+    rel, line = key.split(":")[0], int(key.split(":")[1])
+    lines = [f"{rel}:{n}" for n in spans[rel].get(line, range(line, line + 1))]
+    return [test for test in tests if any(n in by_test[test] for n in lines)]
+
+
 def tests_of(group: dict, subsets: dict[str, list[str]]) -> list[str]:
     """The group's pytest arguments, each `@name` replaced by the list [subsets.name]."""
     return [arg for item in group["tests"] for arg in (subsets[item[1:]] if item.startswith("@") else [item])]
@@ -178,18 +248,28 @@ def run_group(name: str, group: dict, deadline: float, again: bool = False) -> N
         sys.exit(f"mutation: {name}: the tests fail without any mutant ({status}); fix that first")
     timeout_s = max(3 * baseline, baseline + 60)  # a mutant that hangs a test is caught, not waited for
     originals = {rel: (work / rel).read_text(encoding="utf-8") for rel in group["mutate"]}
+    by_test = coverage_by_test(work, group["tests"]) if COVERAGE else None
+    spans = {rel: statement_lines(text) for rel, text in originals.items()}
     try:
         for key, mutated, diff in todo:
             if time.monotonic() > deadline:
                 print(f"mutation: {name}: budget spent; rerun to go on", flush=True)
                 break
             rel = key.split(":", 1)[0]
+            tests = covering(key, group["tests"], by_test, spans)
+            if not tests:  # no test of the group runs this statement: nothing to learn by running them
+                results[identity(key)] = {"status": "survived", "seconds": 0, "diff": diff, "at": key,
+                                          "tests": "none runs this line"}
+                results_path.write_text(json.dumps(results, indent=1, sort_keys=True))
+                print(f"  {'survived':8} {key.rsplit(':', 1)[0]} (no test runs it)", flush=True)
+                continue
             (work / rel).write_text(mutated, encoding="utf-8")
             try:
-                status, took = run_tests(work, group["tests"], timeout_s)
+                status, took = run_tests(work, tests, timeout_s)
             finally:
                 (work / rel).write_text(originals[rel], encoding="utf-8")
-            results[identity(key)] = {"status": status, "seconds": round(took, 1), "diff": diff, "at": key}
+            results[identity(key)] = {"status": status, "seconds": round(took, 1), "diff": diff, "at": key,
+                                      "tests": f"{len(tests)} of {len(group['tests'])}"}
             results_path.write_text(json.dumps(results, indent=1, sort_keys=True))
             print(f"  {status:8} {key.rsplit(':', 1)[0]} ({took:.0f}s)", flush=True)
     finally:

@@ -95,19 +95,25 @@ def test_unix_socket_address_reaches_the_agent(ipv6_agent: Agent, tmp_path: Path
 
 
 @pytest.mark.consul
-def test_unix_socket_adapter_talks_to_the_agent(ipv6_agent: Agent) -> None:
-    """The transport a unix:///path address needs (the Client mounts it on its session)."""
-    import consul
-
-    from consulrun.consulapi import ConsulConfig, UnixSocketAdapter
+def test_unix_socket_client_talks_to_the_agent(ipv6_agent: Agent) -> None:
+    """The Client sends every call to the socket a unix:///path address names; a missing socket is one clear line."""
+    from consulrun.consulapi import Client, ConsulConfig
+    from consulrun.errors import ConsulUnavailable
 
     config = ConsulConfig.from_env({}, address=f"unix://{ipv6_agent.extra['socket']}")
     assert config.endpoint(allow_unix=True) == ("http", "localhost", 80)
     assert config.socket_path == str(ipv6_agent.extra["socket"])
-    api = consul.Consul(host="localhost", port=80)
-    api.http.session.mount("http://", UnixSocketAdapter(config.socket_path))
-    assert api.kv.put("consulrun-unix/probe", "x") is True
-    assert api.kv.get("consulrun-unix/probe")[1]["Value"] == b"x"
+    client = Client(config)
+    assert client.address == f"unix://{ipv6_agent.extra['socket']}"
+    session = client.session_create(name="unix-probe", ttl_ms=10_000, lock_delay_ms=0, node_checks=[],
+                                    service_checks=[])
+    assert client.kv_acquire("consulrun-unix/probe", "x", session) is True
+    index, entry = client.kv_get("consulrun-unix/probe")
+    assert entry["Value"] == b"x" and entry["Session"] == session and index > 0
+    client.session_destroy(session)
+    missing = Client(ConsulConfig.from_env({}, address=f"unix://{ipv6_agent.extra['socket']}.gone"))
+    with pytest.raises(ConsulUnavailable, match=r"Consul agent not reachable: .*http\.sock\.gone: no such file"):
+        missing.kv_get("consulrun-unix/probe")
 
 
 # --- durations -----------------------------------------------------------------------------------------------

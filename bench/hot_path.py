@@ -1,0 +1,120 @@
+"""Benchmark: the cost of one timer tick, `consulrun run` against `consul lock`, side by side in one run.
+
+Every timer tick starts the wrapper on every node and all but one skip, so
+the skip path is paid (nodes - 1) times per occurrence. Measured per process
+with wait4(2) (wall time, user+sys CPU of the process and its children, peak
+resident memory), interleaved round by round in alternating order:
+
+  loser          `consulrun run J -- true` with J held by another consulrun,
+                 against `consul lock -timeout=10ms P true` with P held by another consul lock;
+  loser, done    `consulrun run --schedule daily J -- true` once today's occurrence is recorded done;
+  winner         `consulrun run J -- true` and `consul lock P true`, the lock free.
+
+consulrun is started the way its units start it: the installed `consulrun`
+script (next to this Python), not `python -m`.
+
+Usage: python bench/hot_path.py [--rounds N] [--nodes N]   (prints a Markdown report)
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from tests.harness.agents import consul_binary, start_dev_agent, wait_for  # noqa: E402
+
+
+def measured(cmd: list[str], env: dict[str, str]) -> tuple[float, float, float, int]:
+    """(wall s, CPU s, peak RSS MiB, exit status) of one run of `cmd`."""
+    start = time.perf_counter()
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    _, status, usage = os.wait4(proc.pid, 0)
+    wall = time.perf_counter() - start
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    return wall, usage.ru_utime + usage.ru_stime, usage.ru_maxrss / 1024, proc.returncode
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--nodes", type=int, default=3, help="nodes per job for the CPU-per-minute table")
+    args = parser.parse_args()
+    binary = consul_binary()
+    script = str(Path(sys.executable).parent / "consulrun")
+    if not os.access(script, os.X_OK):
+        sys.exit(f"bench: {script} is missing; install consulrun into this Python first (scripts/test does)")
+    agent = start_dev_agent(binary, Path(tempfile.mkdtemp(prefix="bench-hot-")), extra_config={"disable_coordinates": True})
+    env = {**os.environ, "CONSUL_HTTP_ADDR": agent.http_addr}
+    cases = {
+        "loser": ([script, "run", "held", "--", "true"], [binary, "lock", "-timeout=10ms", "held-lock", "true"]),
+        "loser, occurrence done": ([script, "run", "--schedule", "daily", "done", "--", "true"],
+                                   [binary, "lock", "-timeout=10ms", "held-lock", "true"]),
+        "winner": ([script, "run", "free", "--", "true"], [binary, "lock", "free-lock", "true"]),
+    }
+    expected = {"loser": (0, 1), "loser, occurrence done": (0, 1), "winner": (0, 0)}
+    holders = [subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+               for cmd in ([script, "run", "held", "--", "sleep", "3600"], [binary, "lock", "held-lock", "sleep 3600"])]
+    results: dict[str, dict[str, list[tuple[float, float, float]]]] = {c: {"consulrun": [], "consul lock": []} for c in cases}
+    try:
+        wait_for(lambda: (agent.api("GET", "kv/consulrun/held/lock").json() or [{}])[0].get("Session"), 20, "consulrun holder")
+        wait_for(lambda: (agent.api("GET", "kv/held-lock/.lock").json() or [{}])[0].get("Session"), 20, "consul lock holder")
+        assert measured(cases["loser, occurrence done"][0], env)[3] == 0  # today's occurrence runs once, here
+        for case, (ours, theirs) in cases.items():  # warm the page cache once
+            measured(ours, env)
+            measured(theirs, env)
+        for round_no in range(args.rounds):
+            for case, (ours, theirs) in cases.items():
+                order = [("consulrun", ours), ("consul lock", theirs)]
+                if round_no % 2:
+                    order.reverse()
+                for name, cmd in order:
+                    wall, cpu, rss, code = measured(cmd, env)
+                    want = expected[case][0 if name == "consulrun" else 1]
+                    assert code == want, (case, name, code)
+                    results[case][name].append((wall, cpu, rss))
+    finally:
+        for holder in holders:
+            holder.send_signal(signal.SIGTERM)
+            holder.wait(timeout=30)
+        agent.stop()
+
+    load = os.getloadavg()[0]
+    print(f"Rounds: {args.rounds} per case (interleaved, alternating order); one dev agent; Consul v1.16.3 built by "
+          f"scripts/consul-binary; Python {sys.version.split()[0]}; load average at the end {load:.2f}\n")
+    print("| path | measure | consulrun run: median (min-max) | consul lock: median (min-max) | ratio of medians |")
+    print("|---|---|---|---|---|")
+    medians: dict[tuple[str, str], float] = {}
+    for case in cases:
+        for index, (measure, unit, scale) in enumerate((("wall", "ms", 1000), ("CPU", "ms", 1000), ("peak RSS", "MiB", 1))):
+            row = []
+            for name in ("consulrun", "consul lock"):
+                values = [sample[index] * scale for sample in results[case][name]]
+                medians[(case, name, measure)] = statistics.median(values)  # type: ignore[index]
+                row.append(f"{statistics.median(values):.0f} {unit} ({min(values):.0f}-{max(values):.0f})")
+            ratio = medians[(case, "consulrun", measure)] / medians[(case, "consul lock", measure)]  # type: ignore[index]
+            print(f"| {case} | {measure} | {row[0]} | {row[1]} | {ratio:.2f} |")
+    print(f"\nCPU-seconds per minute on one node, each job on {args.nodes} nodes (one wins, {args.nodes - 1} skip), "
+          "from the CPU medians above:\n")
+    print("| jobs per minute | consulrun run | consul lock | ratio |")
+    print("|---|---|---|---|")
+    for jobs in (10, 100, 1000):
+        cost = {}
+        for name in ("consulrun", "consul lock"):
+            win, lose = medians[("winner", name, "CPU")], medians[("loser", name, "CPU")]  # type: ignore[index]
+            cost[name] = jobs * (win + (args.nodes - 1) * lose) / args.nodes / 1000
+        print(f"| {jobs} | {cost['consulrun']:.1f} s | {cost['consul lock']:.1f} s | "
+              f"{cost['consulrun'] / cost['consul lock']:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
