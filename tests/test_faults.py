@@ -660,3 +660,34 @@ def test_waiting_is_said_once_with_what_for(consul: Agent, tmp_path: Path) -> No
     assert code == SKIP, err
     waiting = [line for line in err.splitlines() if "waiting up to" in line]
     assert len(waiting) == 1 and waiting[0].startswith("consulrun: saywait: waiting up to 3s for the lock, held by dev1")
+
+
+@pytest.mark.consul
+def test_reap_looks_past_a_slot_held_from_another_machine(consul: Agent) -> None:
+    """--concurrency 2: slot 0 held from another machine (nothing to tell from here), slot 1 by a dead wrapper of
+    this node. reap destroys the dead one's session and leaves the other alone (it used to be able to stop at the
+    first slot it could not judge)."""
+    from consulrun.procinfo import boot_id, pid_namespace, process_start, time_namespace
+
+    gone = subprocess.Popen(["sleep", "30"])
+    started = process_start(gone.pid)
+    gone.kill()
+    gone.wait()
+    holders = {
+        "consulrun/pair/slots/0": {"node": "elsewhere", "pid": os.getpid(), "pid_start": process_start(os.getpid()),
+                                   "boot_id": "another-machine", "state": "running"},
+        "consulrun/pair/slots/1": {"node": "dev1", "pid": gone.pid, "pid_start": started, "boot_id": boot_id(),
+                                   "pid_ns": pid_namespace(), "time_ns": time_namespace(), "state": "running"},
+    }
+    sessions = {}
+    for key, value in holders.items():
+        sessions[key] = consul.api("PUT", "session/create", json={"Name": "holder", "TTL": "600s",
+                                                                  "LockDelay": "0s"}).json()["ID"]
+        assert consul.api("PUT", f"kv/{key}", params={"acquire": sessions[key]}, data=json.dumps(value)).json() is True
+    code, _, err = finish(consulrun("reap", "--concurrency", "2", "pair"))
+    assert code == 0, err
+    assert f"pair: the holder's session {sessions['consulrun/pair/slots/1']} lives on but its wrapper process " \
+           f"(pid {gone.pid}) on this node has exited; destroying the session" in err, err
+    assert consul.get(f"session/info/{sessions['consulrun/pair/slots/1']}") in ([], None)
+    assert consul.get(f"session/info/{sessions['consulrun/pair/slots/0']}")[0]["ID"] == sessions["consulrun/pair/slots/0"]
+    consul.api("PUT", f"session/destroy/{sessions['consulrun/pair/slots/0']}")

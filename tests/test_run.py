@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -111,6 +112,16 @@ def test_lock_value_and_child_environment(consul: Agent, tmp_path: Path) -> None
     assert value["state"] == "free"
     assert value["last"]["node"] == "dev1" and value["last"]["exit_status"] == 0
     assert value["last"]["session"] == env["CONSULRUN_SESSION"]
+    # Every field, and no other: what `status`, `reap` and operators read (README, the lock's value).
+    assert set(value) == {"state", "last"}
+    assert set(value["last"]) == {"boot_id", "consulrun_version", "ended", "exit_status", "host", "job", "node", "pid",
+                                  "pid_ns", "pid_start", "session", "started", "time_ns"}, value
+    assert value["last"]["job"] == "envjob" and value["last"]["ended"] >= value["last"]["started"]
+    # The acquired line, whole: a plain run names no occurrence.
+    acquired = [line for line in err.splitlines() if " acquired " in line]
+    assert len(acquired) == 1 and re.fullmatch(
+        r"consulrun: envjob: acquired ops/cr/envjob/lock \(session [0-9a-f-]{36}, fencing token \d+\)",
+        acquired[0]), err
     # The fencing token grows with every acquisition.
     code, _, _ = finish(consulrun("run", "--prefix", "ops/cr", "envjob", "--", sys.executable, "-c", script))
     assert code == 0
