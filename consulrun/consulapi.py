@@ -108,8 +108,14 @@ class ConsulConfig:
             return None
 
     def resolved_token(self, label: str | None = None) -> str | None:
+        """The ACL token to send: given (--token, CONSUL_HTTP_TOKEN) or read from the token file; None if neither.
+
+        A token that cannot travel in an HTTP header (a line break, a control
+        or non-ASCII character) is refused without being shown: it is a secret
+        and error lines end up in the journal.
+        """
         if self.token:
-            return self.token
+            return _sendable(self.token, "the Consul token (--token or CONSUL_HTTP_TOKEN)")
         if self.token_file:
             try:
                 with open(self.token_file, encoding="utf-8") as handle:
@@ -117,10 +123,19 @@ class ConsulConfig:
                         logging.getLogger("consulrun").warning(
                             "%sConsul token file %s is readable by others; make it mode 0600",
                             f"{label}: " if label else "", self.token_file)
-                    return handle.read().strip() or None
-            except OSError as exc:
-                raise UsageError(f"Consul token file {self.token_file}: {os_reason(exc)}") from None
+                    token = handle.read().strip() or None
+            except (OSError, UnicodeDecodeError) as exc:
+                reason = os_reason(exc) if isinstance(exc, OSError) else "not UTF-8 text"
+                raise UsageError(f"Consul token file {self.token_file}: {reason}") from None
+            return _sendable(token, f"Consul token file {self.token_file}") if token else None
         return None
+
+
+def _sendable(token: str, where: str) -> str:
+    if all(0x21 <= ord(ch) <= 0x7E for ch in token):
+        return token
+    raise UsageError(f"{where}: the token holds a space, a line break or a character outside printable ASCII, "
+                     "which an HTTP header cannot carry (the token is not shown)")
 
 
 def readable(value: dict[str, Any]) -> str:
@@ -223,7 +238,7 @@ class _UnixConnection(http.client.HTTPConnection):
             sock.connect(self.socket_path)
         except OSError as exc:
             sock.close()
-            raise OSError(exc.errno, exc.strerror, self.socket_path) from None
+            raise OSError(exc.errno, exc.strerror or str(exc), self.socket_path) from None
         self.sock = sock
 
 
@@ -281,7 +296,10 @@ class Client:
         conn: http.client.HTTPConnection | None = getattr(self._local, "conn", None)
         if conn is not None and conn.sock is not None:
             # The agent may have closed an idle connection; reading that now beats failing a write on it later.
-            if select.select([conn.sock], [], [], 0)[0]:
+            # poll(2), not select(2): a descriptor may be numbered 1024 or more.
+            idle = select.poll()
+            idle.register(conn.sock, select.POLLIN)
+            if idle.poll(0):
                 conn.close()
             else:
                 conn.sock.settimeout(timeout)

@@ -245,6 +245,8 @@ class Locker:
                             # The answer was lost, not necessarily the write (Raft may commit an entry whose
                             # leader failed to answer): look before concluding anything.
                             results = self._committed(ops, session)
+                            if results is None:  # it did not go through: an outage (retried if an election), no lost race
+                                raise
                         if results is not None:
                             held = self.confirm_ours(key, value, results)
                     finally:
@@ -376,6 +378,14 @@ class Locker:
                                    optional_checks=True) is not None
         except SessionInvalid:  # our session was invalidated: the lock is not ours to release
             return False
+
+    def released_by_us(self, held: Held) -> bool:
+        """True if `held.key` is free and its value records our session's run: a release whose answer was lost
+        went through (read consistently)."""
+        _, entry = self.client.kv_get(held.key, consistent=True)
+        value = decoded(entry)
+        return bool(entry) and not entry.get("Session") and value.get("state") == "free" and \
+            (value.get("last") or {}).get("session") == held.session
 
     def abandon(self) -> None:
         """Destroy our session if we made one; a failure here is logged, the TTL ends it anyway."""

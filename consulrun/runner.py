@@ -154,12 +154,21 @@ def _supervise(job: Job, watcher: Watcher, fencing: Fencing, signals: _Signals, 
             log.error("%s: lock lost: %s; killing the job's processes (%s)", name, reason, how)
             job.kill_all(min(fencing.grace_s, grace), now=clock)
             return ExitCode.LOCK_LOST, reason
-        select.select([signals.wakeup, watcher.wakeup], [], [], min(deadline - now, 1.0) + 0.01)
+        _wait_readable([signals.wakeup, watcher.wakeup], min(deadline - now, 1.0) + 0.01)
         signals.drain()
         try:
             os.read(watcher.wakeup, 64) if watcher.lost_reason else None
         except BlockingIOError:
             pass
+
+
+def _wait_readable(fds: list[int], timeout_s: float) -> None:
+    """Sleep until one of `fds` is readable or `timeout_s` passes: poll(2), which, unlike select(2), takes
+    descriptors numbered 1024 and up (a unit with a high LimitNOFILE= and many inherited files)."""
+    poller = select.poll()
+    for fd in fds:
+        poller.register(fd, select.POLLIN)
+    poller.poll(max(0.0, timeout_s) * 1000)
 
 
 def _job_environment(held: Held, spec: LockSpec, claim: dict[str, object] | None) -> dict[str, str]:
@@ -441,8 +450,8 @@ def _record_and_release(locker: Locker, held: Held, ledger: occurrence.Ledger | 
     """One attempt; True if the lock was released by it (or by an earlier attempt whose answer was lost)."""
     job = locker.spec.job
     if not (ledger and claim):
-        if locker.release(held, outcome, check=check):
-            return True
+        if locker.release(held, outcome, check=check) or locker.released_by_us(held):
+            return True  # (or an earlier attempt went through and its answer was lost)
         log.warning("%s: the lock was no longer ours when the job ended; its value keeps the holder", job)
         return False
     if claim.get("manual"):  # a triggered run is no occurrence: its history entry is all it records

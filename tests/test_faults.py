@@ -691,3 +691,96 @@ def test_reap_looks_past_a_slot_held_from_another_machine(consul: Agent) -> None
     assert consul.get(f"session/info/{sessions['consulrun/pair/slots/1']}") in ([], None)
     assert consul.get(f"session/info/{sessions['consulrun/pair/slots/0']}")[0]["ID"] == sessions["consulrun/pair/slots/0"]
     consul.api("PUT", f"session/destroy/{sessions['consulrun/pair/slots/0']}")
+
+
+# --- answers lost or refused on the way (a fault proxy in front of the real agent) ----------------------------------
+
+@pytest.mark.parametrize("how", [[], ["--schedule", YEARLY]], ids=["plain", "schedule"])
+def test_an_acquisition_refused_in_an_election_is_retried_not_taken_for_a_lost_race(consul: Agent, tmp_path: Path,
+                                                                                   how: list[str]) -> None:
+    """The acquiring transaction answered 500 and never written: an outage to retry, not "someone else has it".
+
+    It used to end as a skip with exit 0: the read-back found nothing committed and called it a lost race, so
+    every node meeting one election would have skipped the occurrence.
+    """
+    from tests.harness.faultproxy import FaultProxy
+
+    ran, job = tmp_path / "ran", f"elect{len(how)}"
+    with FaultProxy(consul.http_addr) as proxy:
+        refused = proxy.fail("PUT", '"Verb": "lock"', "refuse", times=2)
+        code, _, err = finish(consulrun("run", *how, "--skip-exit-code", str(SKIP), job, "--", "touch", str(ran),
+                                        env={"CONSUL_HTTP_ADDR": proxy.address}))
+    assert code == 0, err
+    assert len(refused.hits) == 2 and ran.exists()
+    assert "Consul cannot serve requests yet" in err and "skipped" not in err and "Traceback" not in err, err
+    if how:
+        assert kv_json(consul, f"consulrun/{job}/occurrence")["state"] == "done"
+    assert sessions(consul) == []
+
+
+def test_a_release_whose_answer_was_lost_is_known_to_have_gone_through(consul: Agent, tmp_path: Path) -> None:
+    """The unlock was applied and its answer lost: the retry finds the key free with this run's result, says
+    released (it used to say the lock was no longer ours)."""
+    from tests.harness.faultproxy import FaultProxy
+
+    with FaultProxy(consul.http_addr) as proxy:
+        lost = proxy.fail("PUT", '"Verb": "unlock"', "lose-answer")
+        code, _, err = finish(consulrun("run", "lostanswer", "--", "true", env={"CONSUL_HTTP_ADDR": proxy.address}))
+    assert code == 0, err
+    assert len(lost.hits) == 1
+    assert "released consulrun/lostanswer/lock" in err and "no longer ours" not in err, err
+    value = kv_json(consul, "consulrun/lostanswer/lock")
+    assert value["state"] == "free" and value["last"]["exit_status"] == 0
+    assert "Session" not in lock_entry(consul, "consulrun/lostanswer/lock") and sessions(consul) == []
+
+
+def test_descriptors_numbered_past_1024_are_no_trouble(consul: Agent) -> None:
+    """Started with a thousand inherited files (a unit with a high LimitNOFILE=): every socket and pipe of the
+    wrapper is numbered past 1024, which select(2) refuses ("filedescriptor out of range"; exit 70, or a job
+    fenced for nothing) and poll(2) takes."""
+    shim = ("import os, resource, sys; resource.setrlimit(resource.RLIMIT_NOFILE, (4096, 4096)); "
+            "fd = os.open('/dev/null', os.O_RDONLY); [os.dup2(fd, n) for n in range(3, 1100)]; "
+            "os.execv(sys.executable, [sys.executable, '-m', 'consulrun', *sys.argv[1:]])")
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    result = subprocess.run([sys.executable, "-c", shim, "run", "--lock-delay", "5s", "--ttl", "10s", "manyfds", "--",
+                             "sh", "-c", "ls /proc/$$/fd | wc -l; sleep 5"], env=env, capture_output=True, text=True,
+                            timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert "job exited with status 0" in result.stderr and "lock lost" not in result.stderr, result.stderr
+    assert int(result.stdout.split()[0]) < 10  # the job inherits none of them
+    assert sessions(consul) == []
+
+
+def test_a_token_an_http_header_cannot_carry_is_refused_unshown(consul: Agent, tmp_path: Path) -> None:
+    token_file = tmp_path / "token"
+    token_file.write_text("s3cr3t\nsecond-line\n")
+    token_file.chmod(0o600)
+    for args, env, where in (([], {"CONSUL_HTTP_TOKEN": "s3cr3t\n"}, "the Consul token (--token or CONSUL_HTTP_TOKEN)"),
+                             (["--token-file", str(token_file)], {}, f"Consul token file {token_file}")):
+        code, _, err = finish(consulrun("run", *args, "tokjob", "--", "true", env=env))
+        assert code == 2, err
+        assert err == (f"Error: {where}: the token holds a space, a line break or a character outside printable "
+                       "ASCII, which an HTTP header cannot carry (the token is not shown)\n"), err
+    assert lock_entry(consul, "consulrun/tokjob/lock") is None
+
+
+@pytest.mark.parametrize("how", [[], ["--schedule", YEARLY]], ids=["plain", "schedule"])
+def test_an_acquisition_whose_answer_was_lost_is_read_back_and_run(consul: Agent, tmp_path: Path,
+                                                                   how: list[str]) -> None:
+    """Applied by Consul, answered 500: the read-back finds the lock (and the claim) ours, and the job runs once."""
+    from tests.harness.faultproxy import FaultProxy
+
+    ran, job = tmp_path / "ran", f"lostack{len(how)}"
+    with FaultProxy(consul.http_addr) as proxy:
+        lost = proxy.fail("PUT", '"Verb": "lock"', "lose-answer")
+        code, _, err = finish(consulrun("run", *how, "--skip-exit-code", str(SKIP), job, "--", "sh", "-c",
+                                        f"echo x >> {ran}", env={"CONSUL_HTTP_ADDR": proxy.address}))
+    assert code == 0, err
+    assert len(lost.hits) == 1 and ran.read_text() == "x\n"
+    assert "the acquisition was answered with an error but went through" in err and "retrying" not in err, err
+    value = kv_json(consul, f"consulrun/{job}/lock")
+    assert value["state"] == "free" and value["last"]["exit_status"] == 0
+    if how:
+        record = kv_json(consul, f"consulrun/{job}/occurrence")
+        assert record["state"] == "done" and record["session"] == value["last"]["session"]
+    assert sessions(consul) == []

@@ -1,0 +1,97 @@
+"""An HTTP proxy in front of a real agent that fails chosen requests, for faults a test must land exactly.
+
+Each rule matches a request by method and a text its body (or path) holds,
+for its next `times` matches, and either refuses it (answers as a server in
+an election does, without forwarding: nothing is written) or loses the answer
+(forwards it, so Consul applies it, then answers 500 instead of Consul's
+answer). Everything else is forwarded as it is, on loopback only.
+"""
+
+from __future__ import annotations
+
+import http.client
+import http.server
+import threading
+from dataclasses import dataclass, field
+
+ELECTION = b"No cluster leader"
+
+
+@dataclass
+class Rule:
+    method: str
+    holds: str  # a text the request's path or body holds
+    action: str  # "refuse" or "lose-answer"
+    times: int = 1
+    hits: list[str] = field(default_factory=list)  # what it matched, for the test to check
+
+
+class FaultProxy:
+    def __init__(self, upstream: str) -> None:
+        host, port = upstream.rsplit(":", 1)
+        self.rules: list[Rule] = []
+        self._lock = threading.Lock()
+        proxy = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+            def _handle(self) -> None:
+                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                rule = proxy._match(self.command, self.path, body)
+                if rule and rule.action == "refuse":
+                    return self._answer(500, ELECTION)
+                upstream_conn = http.client.HTTPConnection(host, int(port), timeout=600)
+                try:
+                    headers = {k: v for k, v in self.headers.items() if k.lower() not in ("host", "connection")}
+                    upstream_conn.request(self.command, self.path, body=body or None, headers=headers)
+                    answer = upstream_conn.getresponse()
+                    data = answer.read()
+                    if rule:  # "lose-answer": Consul applied it; the caller never learns
+                        return self._answer(500, ELECTION)
+                    self._answer(answer.status, data, {k: v for k, v in answer.getheaders()
+                                                       if k.lower().startswith("x-consul")})
+                finally:
+                    upstream_conn.close()
+
+            def _answer(self, status: int, data: bytes, headers: dict[str, str] | None = None) -> None:
+                self.send_response(status)
+                for key, value in (headers or {}).items():
+                    self.send_header(key, value)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            do_GET = do_PUT = do_POST = do_DELETE = _handle
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.address = f"127.0.0.1:{self.server.server_address[1]}"
+        self._thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+
+    def _match(self, method: str, path: str, body: bytes) -> Rule | None:
+        text = path + "\n" + body.decode("utf-8", "replace")
+        with self._lock:
+            for rule in self.rules:
+                if rule.times > 0 and rule.method == method and rule.holds in text:
+                    rule.times -= 1
+                    rule.hits.append(text)
+                    return rule
+        return None
+
+    def fail(self, method: str, holds: str, action: str, times: int = 1) -> Rule:
+        rule = Rule(method, holds, action, times)
+        with self._lock:
+            self.rules.append(rule)
+        return rule
+
+    def __enter__(self) -> "FaultProxy":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.shutdown()
+        self.server.server_close()
