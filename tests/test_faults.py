@@ -10,6 +10,7 @@ import base64
 import json
 import os
 import resource
+import shlex
 import signal
 import subprocess
 import sys
@@ -244,12 +245,15 @@ def test_fence_kills_a_daemonised_grandchild(consul: Agent, tmp_path: Path) -> N
 
 
 def test_normal_exit_stops_a_daemonised_leftover(consul: Agent, tmp_path: Path) -> None:
-    pids = tmp_path / "pids"
+    """Stopped as a fenced job is: SIGTERM and the grace to act on it (its trap runs), not SIGKILL at once."""
+    pids, termed = tmp_path / "pids", tmp_path / "termed"
+    leftover = f"trap 'touch {termed}; exit 0' TERM; echo $$ > {pids}; while :; do sleep 0.1; done"
     code, _, err = finish(consulrun("run", "leftover", "--", "sh", "-c",
-                                    f"setsid sh -c 'echo $$ > {pids}; exec sleep 300' & sleep 0.5; exit 0"))
+                                    f"setsid sh -c {shlex.quote(leftover)} & sleep 0.5; exit 0"))
     assert code == 0, err
     assert "left processes behind" in err
     assert not pid_alive(read_pids(pids, 1)[0])
+    assert termed.exists(), err
 
 
 def test_termination_signal_reaches_a_grandchild_outside_the_shell(consul: Agent, tmp_path: Path) -> None:
@@ -406,6 +410,7 @@ def test_sigkilled_wrappers_occurrence_is_taken_over_within_lock_delay(consul: A
     code, _, err = finish(standby)
     assert code == 0, err
     assert "has exited; destroying the session" in err
+    assert f" for occurrence {OCC}, taking over from a dead runner, (session " in err, err
     record = kv_json(consul, "consulrun/oom/occurrence")
     assert record["attempt"] == 2 and record["earlier"][0]["state"] == "abandoned"
     assert sessions(consul) == []
@@ -773,10 +778,12 @@ def test_an_acquisition_whose_answer_was_lost_is_read_back_and_run(consul: Agent
     ran, job = tmp_path / "ran", f"lostack{len(how)}"
     with FaultProxy(consul.http_addr) as proxy:
         lost = proxy.fail("PUT", '"Verb": "lock"', "lose-answer")
+        # The election goes on a moment: the first read-back fails too, and is asked again, not given up on.
+        unread = proxy.fail("GET", f"/v1/kv/consulrun/{job}/lock?consistent", "refuse")
         code, _, err = finish(consulrun("run", *how, "--skip-exit-code", str(SKIP), job, "--", "sh", "-c",
                                         f"echo x >> {ran}", env={"CONSUL_HTTP_ADDR": proxy.address}))
     assert code == 0, err
-    assert len(lost.hits) == 1 and ran.read_text() == "x\n"
+    assert len(lost.hits) == 1 and len(unread.hits) == 1 and ran.read_text() == "x\n"
     assert "the acquisition was answered with an error but went through" in err and "retrying" not in err, err
     value = kv_json(consul, f"consulrun/{job}/lock")
     assert value["state"] == "free" and value["last"]["exit_status"] == 0

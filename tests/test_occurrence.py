@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import json
 import random
+import re
 import signal
 import threading
 import time
@@ -254,6 +255,10 @@ def test_several_schedules_with_zones_take_the_latest(consul: Agent, tmp_path: P
 
     latest = max(calendar.previous([spec], datetime.now(timezone.utc)) for spec in specs)
     assert seen.read_text().strip() == calendar.occurrence_id(latest)
+    acquired = [line for line in err.splitlines() if " acquired " in line]
+    assert len(acquired) == 1 and re.fullmatch(
+        rf"consulrun: multi: acquired consulrun/multi/lock for occurrence {calendar.occurrence_id(latest)} "
+        r"\(session [0-9a-f-]{36}, fencing token \d+\)", acquired[0]), err
 
 
 def test_dead_runner_under_skip_is_marked_abandoned_and_not_rerun(consul: Agent, tmp_path: Path) -> None:

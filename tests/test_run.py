@@ -117,6 +117,7 @@ def test_lock_value_and_child_environment(consul: Agent, tmp_path: Path) -> None
     assert set(value["last"]) == {"boot_id", "consulrun_version", "ended", "exit_status", "host", "job", "node", "pid",
                                   "pid_ns", "pid_start", "session", "started", "time_ns"}, value
     assert value["last"]["job"] == "envjob" and value["last"]["ended"] >= value["last"]["started"]
+    assert "left processes behind" not in err and "warning" not in err.lower(), err
     # The acquired line, whole: a plain run names no occurrence.
     acquired = [line for line in err.splitlines() if " acquired " in line]
     assert len(acquired) == 1 and re.fullmatch(
