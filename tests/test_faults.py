@@ -791,3 +791,31 @@ def test_an_acquisition_whose_answer_was_lost_is_read_back_and_run(consul: Agent
         record = kv_json(consul, f"consulrun/{job}/occurrence")
         assert record["state"] == "done" and record["session"] == value["last"]["session"]
     assert sessions(consul) == []
+
+
+def test_sigterm_after_a_retried_start_still_ends_the_wait_at_once(consul: Agent, tmp_path: Path) -> None:
+    """An election refused the acquisition (the session is given up, the start retried) and meanwhile another
+    node took the lock: a SIGTERM while this node then waits must end it at once. Giving the session up shields
+    signals for a moment; it must not leave them held back for the rest of the run."""
+    from tests.harness.faultproxy import FaultProxy
+
+    other: dict[str, str] = {}
+
+    def another_node_takes_the_lock() -> None:
+        other["session"] = consul.api("PUT", "session/create", json={"Name": "other", "TTL": "60s",
+                                                                     "LockDelay": "0s"}).json()["ID"]
+        assert consul.api("PUT", "kv/consulrun/retrywait/lock", params={"acquire": other["session"]},
+                          data=b'{"node": "other"}').json() is True
+
+    with FaultProxy(consul.http_addr) as proxy:
+        refused = proxy.fail("PUT", '"Verb": "lock"', "refuse", then=another_node_takes_the_lock)
+        waiter = consulrun("run", "--wait", "5m", "retrywait", "--", "true",
+                           env={**hooks(tmp_path, "waiting"), "CONSUL_HTTP_ADDR": proxy.address})
+        at(tmp_path, "waiting")
+        waiter.send_signal(signal.SIGTERM)
+        code, _, err = finish(waiter, timeout=10)
+    assert len(refused.hits) == 1
+    assert code == 128 + signal.SIGTERM, err
+    assert "Consul cannot serve requests yet" in err and "SIGTERM while waiting" in err, err
+    consul.api("PUT", f"session/destroy/{other['session']}")
+    assert sessions(consul) == []

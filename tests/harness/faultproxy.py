@@ -12,6 +12,7 @@ from __future__ import annotations
 import http.client
 import http.server
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 ELECTION = b"No cluster leader"
@@ -23,6 +24,7 @@ class Rule:
     holds: str  # a text the request's path or body holds
     action: str  # "refuse" or "lose-answer"
     times: int = 1
+    then: Callable[[], None] | None = None  # done before answering: another node's move, landed exactly here
     hits: list[str] = field(default_factory=list)  # what it matched, for the test to check
 
 
@@ -42,6 +44,8 @@ class FaultProxy:
             def _handle(self) -> None:
                 body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
                 rule = proxy._match(self.command, self.path, body)
+                if rule and rule.then:
+                    rule.then()
                 if rule and rule.action == "refuse":
                     return self._answer(500, ELECTION)
                 upstream_conn = http.client.HTTPConnection(host, int(port), timeout=600)
@@ -82,8 +86,9 @@ class FaultProxy:
                     return rule
         return None
 
-    def fail(self, method: str, holds: str, action: str, times: int = 1) -> Rule:
-        rule = Rule(method, holds, action, times)
+    def fail(self, method: str, holds: str, action: str, times: int = 1,
+             then: Callable[[], None] | None = None) -> Rule:
+        rule = Rule(method, holds, action, times, then)
         with self._lock:
             self.rules.append(rule)
         return rule
