@@ -112,10 +112,12 @@ class Locker:
     end in a held lock.
     """
 
-    def __init__(self, client: Client, spec: LockSpec, shield: Callable[[bool], None] = lambda on: None) -> None:
+    def __init__(self, client: Client, spec: LockSpec, shield: Callable[[bool], None] = lambda on: None,
+                 checkpoint: Callable[[], None] = lambda: None) -> None:
         self.client = client
         self.spec = spec
         self.shield = shield  # defers termination signals while a lock may be taken but not yet known to us
+        self.checkpoint = checkpoint  # raises Interrupted for a deferred signal where giving up is safe
         self.session: str | None = None
         self.node: str | None = None
         self._renewed_at = 0.0
@@ -265,31 +267,45 @@ class Locker:
     def _committed(self, ops: list[dict[str, Any]], session: str) -> list[dict[str, Any]] | None:
         """After an unanswered acquisition: its results, read back, if it committed; None if it did not.
 
-        Raises the read's own failure if even that cannot be known; the caller
-        then destroys the session, which frees a lock it might hold.
+        If even that cannot be learnt, ConsulUnavailable that is not worth
+        retrying: the caller destroys the session (freeing a lock it might
+        hold) and exits 69, nothing started. Retrying would meet its own
+        lock-delay or its own claim and call that a skip.
         """
-        _, entry = self._read_again(ops[0]["KV"]["Key"])
-        if not entry or entry.get("Session") != session:
-            return None
-        log.info("%s: the acquisition was answered with an error but went through", self.spec.job)
-        results = []
-        for op in ops:
-            _, written = self._read_again(op["KV"]["Key"])
-            if written:
-                results.append({"KV": written})
-        return results
+        try:
+            _, entry, _ = self._read_again(ops[0]["KV"]["Key"])
+            if not entry or entry.get("Session") != session:
+                return None
+            log.info("%s: the acquisition was answered with an error but went through", self.spec.job)
+            results = []
+            for op in ops:
+                _, written, _ = self._read_again(op["KV"]["Key"])
+                if written:
+                    results.append({"KV": written})
+            return results
+        except ConsulUnavailable as exc:
+            raise ConsulUnavailable(f"whether the acquisition went through is unknown: {exc}") from None
 
-    def _read_again(self, key: str, budget_s: float = 10.0) -> tuple[int, Any]:
-        """A consistent read that a transient failure does not end: after an acquisition, the session we hold
-        must not be given up because one read failed (that would free a claim we made)."""
-        give_up = clock() + budget_s
+    def _read_again(self, key: str) -> tuple[int, Any, float]:
+        """A consistent read that a transient failure does not end: (index, entry, when the answered read was
+        sent). After an acquisition the session we hold must not be given up because one read failed (that
+        would free a claim we made): reads are retried for a TTL, the session renewed meanwhile, and a
+        termination signal held back meanwhile ends the wait (the caller then gives the session up)."""
+        give_up = clock() + max(10.0, self.spec.ttl_ms / 1000)
         while True:
+            sent = clock()
             try:
-                return self.client.kv_get(key, consistent=True)
+                idx, entry = self.client.kv_get(key, consistent=True)
+                return idx, entry, sent
             except ConsulUnavailable:
                 if clock() >= give_up:
                     raise
-                time.sleep(0.5)
+            self.checkpoint()  # a signal that arrived meanwhile ends it here (Interrupted), not after the budget
+            time.sleep(0.5)
+            try:
+                self.keep_alive()
+            except ConsulUnavailable:
+                pass  # an election: the new leader restarts every session's TTL
 
     def confirm_ours(self, key: str, value: dict[str, Any] | None = None,
                      results: list[dict[str, Any]] | None = None) -> Held | None:
@@ -300,8 +316,7 @@ class Locker:
         """
         if self.session is None:
             return None
-        sent = clock()
-        idx, entry = self._read_again(key)
+        idx, entry, sent = self._read_again(key)
         if not entry or entry.get("Session") != self.session:
             return None
         return Held(key=key, session=self.session, fencing_token=int(entry["ModifyIndex"]), index=idx,
@@ -335,18 +350,19 @@ class Locker:
             if mine and (held := self.confirm_ours(mine)):  # taken by us, its answer lost
                 return held, ""
             holders = [describe_holder(e) for e in entries.values() if e.get("Session")]
-            if not holders:
+            full = len(holders) >= self.spec.concurrency  # every slot held (one, without --concurrency)
+            if not full:
                 testhook.pause("before-claim")
                 held = self.try_once(entries, claim=lambda value: [unpaused])
                 if held:
                     return held, ""
             if clock() >= deadline:
-                if not holders and (paused := self.snapshot()[1]):  # refused because a pause landed meanwhile
+                if not full and (paused := self.snapshot()[1]):  # refused because a pause landed meanwhile
                     return None, paused
-                reason = f"held by {'; '.join(holders)}" if holders else \
+                reason = f"held by {'; '.join(holders)}" if full else \
                     "the lock is free but Consul refused it (lock-delay after an invalidation, or a lost race)"
                 return None, reason
-            if holders:
+            if full:
                 self.abandon()
                 self.say_waiting("held", f"waiting up to {deadline - clock():.0f}s for the lock, held by "
                                          f"{'; '.join(holders)}")

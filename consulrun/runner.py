@@ -116,6 +116,14 @@ class _Signals:
         if self.interruptible and self.job is None and self.received:
             raise Interrupted(self.received[0])
 
+    def checkpoint(self) -> None:
+        """Raise Interrupted for a held-back signal if the wait the shields interrupted was interruptible: a
+        point inside a shielded step where giving up is safe (the caller then destroys the session). The
+        shields stay as they are."""
+        outermost = self._shielded[0] if self._shielded else self.interruptible
+        if outermost and self.job is None and self.received:
+            raise Interrupted(self.received[0])
+
     def drain(self) -> None:
         try:
             while os.read(self.wakeup, 512):
@@ -204,7 +212,7 @@ def run(request: RunRequest, config: ConsulConfig) -> int:
         raise JobNotStarted(f"cannot start {request.command[0]}: not found or not executable")
     client = Client(config, label=spec.job)
     signals = _Signals(spec.job)
-    locker = Locker(client, spec, shield=signals.shield)
+    locker = Locker(client, spec, shield=signals.shield, checkpoint=signals.checkpoint)
     try:
         held: Held | None = None
         try:

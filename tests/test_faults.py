@@ -819,3 +819,59 @@ def test_sigterm_after_a_retried_start_still_ends_the_wait_at_once(consul: Agent
     assert "Consul cannot serve requests yet" in err and "SIGTERM while waiting" in err, err
     consul.api("PUT", f"session/destroy/{other['session']}")
     assert sessions(consul) == []
+
+
+def test_a_read_back_that_fails_past_its_budget_is_exit_69_not_a_skip(consul: Agent, tmp_path: Path) -> None:
+    """Applied, answer lost, and no read answers for a TTL: the node cannot know whether it holds the lock. It
+    gives the session up (freeing whatever it held) and exits 69, nothing started. It used to retry, meet its
+    own lock-delay, and skip with exit 0."""
+    from tests.harness.faultproxy import FaultProxy
+
+    ran = tmp_path / "ran"
+    with FaultProxy(consul.http_addr) as proxy:
+        proxy.fail("PUT", '"Verb": "lock"', "lose-answer")
+        proxy.fail("GET", "/v1/kv/consulrun/unknowable/lock?consistent", "refuse", times=1000)
+        code, _, err = finish(consulrun("run", "--ttl", "10s", "--skip-exit-code", str(SKIP), "unknowable", "--",
+                                        "touch", str(ran), env={"CONSUL_HTTP_ADDR": proxy.address}))
+    assert code == 69, err
+    assert "whether the acquisition went through is unknown" in err and "skipped" not in err, err
+    assert not ran.exists()
+    assert sessions(consul) == [] and "Session" not in lock_entry(consul, "consulrun/unknowable/lock")
+
+
+def test_a_confirmation_that_needed_retries_is_as_fresh_as_its_answer(consul: Agent, tmp_path: Path) -> None:
+    """The read confirming a fresh acquisition is refused for about 3 s, longer than --lock-delay 5s allows
+    between a confirmation and the fork (2.3 s). The confirmation dates from the read that was answered, not the
+    first one asked: the job runs. It used to be judged stale: exit 75, the occurrence recorded lost, the job
+    never started."""
+    from tests.harness.faultproxy import FaultProxy
+
+    ran = tmp_path / "ran"
+    with FaultProxy(consul.http_addr) as proxy:
+        refused = proxy.fail("GET", "/v1/kv/consulrun/slowconfirm/lock?consistent", "refuse", times=6)
+        code, _, err = finish(consulrun("run", "--lock-delay", "5s", "--schedule", YEARLY, "slowconfirm", "--",
+                                        "touch", str(ran), env={"CONSUL_HTTP_ADDR": proxy.address}))
+    assert code == 0, err
+    assert len(refused.hits) == 6 and ran.exists()
+    assert kv_json(consul, "consulrun/slowconfirm/occurrence")["state"] == "done"
+    assert sessions(consul) == []
+
+
+def test_sigterm_while_the_read_back_is_refused_ends_the_run_at_once(consul: Agent, tmp_path: Path) -> None:
+    """Between an unanswered acquisition and its read-back the signal is held, not lost; it ends the read-back
+    at its next retry (the session given up, which frees the lock if it was taken), not after the whole budget."""
+    from tests.harness.faultproxy import FaultProxy
+
+    ran = tmp_path / "ran"
+    with FaultProxy(consul.http_addr) as proxy:
+        proxy.fail("PUT", '"Verb": "lock"', "lose-answer")
+        refused = proxy.fail("GET", "/v1/kv/consulrun/termread/lock?consistent", "refuse", times=1000)
+        proc = consulrun("run", "--ttl", "60s", "termread", "--", "touch", str(ran),
+                         env={"CONSUL_HTTP_ADDR": proxy.address})
+        wait_for(lambda: len(refused.hits) >= 2, 20, "the read-back to be refused")
+        proc.send_signal(signal.SIGTERM)
+        code, _, err = finish(proc, timeout=5)
+    assert code == 128 + signal.SIGTERM, err
+    assert "SIGTERM while waiting for the lock" in err and "Traceback" not in err, err
+    assert not ran.exists()
+    assert sessions(consul) == [] and "Session" not in lock_entry(consul, "consulrun/termread/lock")

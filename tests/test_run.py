@@ -222,6 +222,27 @@ def test_concurrency_three_of_ten(consul: Agent, tmp_path: Path) -> None:
     assert peak == 3
 
 
+def test_a_free_slot_is_taken_while_another_is_held(consul: Agent, tmp_path: Path) -> None:
+    """--concurrency 2 with one slot held: the next run takes the other one at once (it used to skip as long as
+    any slot was held); a third finds both held and skips, naming both holders."""
+    runs = []
+    try:
+        for n in (1, 2):
+            started = tmp_path / f"started{n}"
+            runs.append(consulrun("run", "--concurrency", "2", "pairjob", "--", "sh", "-c", f"touch {started}; sleep 60"))
+            wait_for(started.exists, 20, f"run {n} to take a slot")
+        code, _, err = finish(consulrun("run", "--concurrency", "2", "--skip-exit-code", str(SKIP), "pairjob", "--",
+                                        "true"))
+        assert code == SKIP and "skipped: held by " in err and err.count("(pid ") == 2, err
+        held = {e["Key"]: e.get("Session") for e in consul.get("kv/consulrun/pairjob/slots/?recurse")}
+        assert set(held) == {"consulrun/pairjob/slots/0", "consulrun/pairjob/slots/1"} and all(held.values())
+    finally:
+        for run in runs:
+            run.send_signal(signal.SIGTERM)
+            finish(run)
+    assert consul.get("session/list") == []
+
+
 @pytest.mark.cluster
 @pytest.mark.parametrize("failure", ["agent killed", "partitioned"])
 def test_holder_cut_off_job_dies_before_anyone_else_acquires(cluster: Cluster, tmp_path: Path, failure: str) -> None:
