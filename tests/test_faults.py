@@ -875,3 +875,25 @@ def test_sigterm_while_the_read_back_is_refused_ends_the_run_at_once(consul: Age
     assert "SIGTERM while waiting for the lock" in err and "Traceback" not in err, err
     assert not ran.exists()
     assert sessions(consul) == [] and "Session" not in lock_entry(consul, "consulrun/termread/lock")
+
+
+def test_a_lock_lost_between_its_acquisition_and_its_confirmation_is_not_taken_for_ours(consul: Agent,
+                                                                                       tmp_path: Path) -> None:
+    """The acquisition is answered, then the session dies before the confirming read (an operator's destroy, a
+    check flapping): the read finds the key free, so the lock is not ours and nothing starts; the run skips after
+    the lock-delay that the invalidation set, never reports a lost lock or runs the job."""
+    from tests.harness.faultproxy import FaultProxy
+
+    ran = tmp_path / "ran"
+
+    def session_dies() -> None:
+        consul.api("PUT", f"session/destroy/{lock_entry(consul, 'consulrun/flap/lock')['Session']}")
+
+    with FaultProxy(consul.http_addr) as proxy:
+        dying = proxy.fail("GET", "/v1/kv/consulrun/flap/lock?consistent", "forward", then=session_dies)
+        code, _, err = finish(consulrun("run", "--lock-delay", "5s", "--skip-exit-code", str(SKIP), "flap", "--",
+                                        "touch", str(ran), env={"CONSUL_HTTP_ADDR": proxy.address}))
+    assert len(dying.hits) == 1
+    assert code == SKIP, err
+    assert "skipped: the lock is free but Consul refused it" in err and "lock lost" not in err, err
+    assert not ran.exists() and sessions(consul) == []

@@ -22,7 +22,7 @@ ELECTION = b"No cluster leader"
 class Rule:
     method: str
     holds: str  # a text the request's path or body holds
-    action: str  # "refuse" or "lose-answer"
+    action: str  # "refuse", "lose-answer", or "forward" (only its `then` happens first)
     times: int = 1
     then: Callable[[], None] | None = None  # done before answering: another node's move, landed exactly here
     hits: list[str] = field(default_factory=list)  # what it matched, for the test to check
@@ -54,7 +54,7 @@ class FaultProxy:
                     upstream_conn.request(self.command, self.path, body=body or None, headers=headers)
                     answer = upstream_conn.getresponse()
                     data = answer.read()
-                    if rule:  # "lose-answer": Consul applied it; the caller never learns
+                    if rule and rule.action == "lose-answer":  # Consul applied it; the caller never learns
                         return self._answer(500, ELECTION)
                     self._answer(answer.status, data, {k: v for k, v in answer.getheaders()
                                                        if k.lower().startswith("x-consul")})
