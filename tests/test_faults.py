@@ -897,3 +897,27 @@ def test_a_lock_lost_between_its_acquisition_and_its_confirmation_is_not_taken_f
     assert code == SKIP, err
     assert "skipped: the lock is free but Consul refused it" in err and "lock lost" not in err, err
     assert not ran.exists() and sessions(consul) == []
+
+
+@pytest.mark.parametrize("how", [[], ["--schedule", YEARLY]], ids=["plain", "schedule"])
+def test_a_finish_refused_in_an_election_is_retried_until_it_lands(consul: Agent, tmp_path: Path,
+                                                                   how: list[str]) -> None:
+    """The releasing transaction is refused three times (a leader election): the wrapper says so once, keeps its
+    session alive, retries with backoff, and the result lands; the job is not rerun."""
+    from tests.harness.faultproxy import FaultProxy
+
+    ran, job = tmp_path / "ran", f"finishretry{len(how)}"
+    with FaultProxy(consul.http_addr) as proxy:
+        refused = proxy.fail("PUT", '"Verb": "unlock"', "refuse", times=3)
+        code, _, err = finish(consulrun("run", *how, job, "--", "sh", "-c", f"echo x >> {ran}",
+                                        env={"CONSUL_HTTP_ADDR": proxy.address}))
+    assert code == 0, err
+    assert len(refused.hits) == 3 and ran.read_text() == "x\n"
+    warnings = [line for line in err.splitlines() if "cannot record the result yet" in line]
+    assert len(warnings) == 1 and "retrying for up to" in warnings[0], err
+    assert f"released consulrun/{job}/lock" in err, err
+    value = kv_json(consul, f"consulrun/{job}/lock")
+    assert value["state"] == "free" and value["last"]["exit_status"] == 0
+    if how:
+        assert kv_json(consul, f"consulrun/{job}/occurrence")["state"] == "done"
+    assert sessions(consul) == []
