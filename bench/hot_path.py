@@ -13,7 +13,10 @@ resident memory), interleaved round by round in alternating order:
 consulrun is started the way its units start it: the installed `consulrun`
 script (next to this Python), not `python -m`.
 
-Usage: python bench/hot_path.py [--rounds N] [--nodes N]   (prints a Markdown report)
+With `--before DIR` (a checkout of an earlier commit, e.g. `git worktree add --detach DIR <commit>`), the
+consulrun of DIR runs too, interleaved with the others, through the same Python and the same entry point.
+
+Usage: python bench/hot_path.py [--rounds N] [--nodes N] [--before DIR]   (prints a Markdown report)
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--nodes", type=int, default=3, help="nodes per job for the CPU-per-minute table")
+    parser.add_argument("--before", type=Path, help="an earlier checkout whose consulrun runs beside this one")
     args = parser.parse_args()
     binary = consul_binary()
     script = str(Path(sys.executable).parent / "consulrun")
@@ -55,31 +59,42 @@ def main() -> None:
         sys.exit(f"bench: {script} is missing; install consulrun into this Python first (scripts/test does)")
     agent = start_dev_agent(binary, Path(tempfile.mkdtemp(prefix="bench-hot-")), extra_config={"disable_coordinates": True})
     env = {**os.environ, "CONSUL_HTTP_ADDR": agent.http_addr}
+    tools = ["consulrun", "consul lock"]
+    before: list[str] = []
+    if args.before:
+        subprocess.run([sys.executable, "-m", "compileall", "-q", str(args.before / "consulrun")], check=True)
+        # What its `consulrun` script would run, with the earlier tree first on the path.
+        before = ["env", f"PYTHONPATH={args.before}", sys.executable, "-P", "-c",  # -P: not the cwd first
+                  "import sys; from consulrun.cli import main; sys.exit(main())"]
+        tools.append("consulrun before")
     cases = {
-        "loser": ([script, "run", "held", "--", "true"], [binary, "lock", "-timeout=10ms", "held-lock", "true"]),
+        "loser": ([script, "run", "held", "--", "true"], [binary, "lock", "-timeout=10ms", "held-lock", "true"],
+                  [*before, "run", "held", "--", "true"]),
         "loser, occurrence done": ([script, "run", "--schedule", "daily", "done", "--", "true"],
-                                   [binary, "lock", "-timeout=10ms", "held-lock", "true"]),
-        "winner": ([script, "run", "free", "--", "true"], [binary, "lock", "free-lock", "true"]),
+                                   [binary, "lock", "-timeout=10ms", "held-lock", "true"],
+                                   [*before, "run", "--schedule", "daily", "done", "--", "true"]),
+        "winner": ([script, "run", "free", "--", "true"], [binary, "lock", "free-lock", "true"],
+                   [*before, "run", "free", "--", "true"]),
     }
     expected = {"loser": (0, 1), "loser, occurrence done": (0, 1), "winner": (0, 0)}
     holders = [subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
                for cmd in ([script, "run", "held", "--", "sleep", "3600"], [binary, "lock", "held-lock", "sleep 3600"])]
-    results: dict[str, dict[str, list[tuple[float, float, float]]]] = {c: {"consulrun": [], "consul lock": []} for c in cases}
+    results: dict[str, dict[str, list[tuple[float, float, float]]]] = {c: {t: [] for t in tools} for c in cases}
     try:
         wait_for(lambda: (agent.api("GET", "kv/consulrun/held/lock").json() or [{}])[0].get("Session"), 20, "consulrun holder")
         wait_for(lambda: (agent.api("GET", "kv/held-lock/.lock").json() or [{}])[0].get("Session"), 20, "consul lock holder")
         assert measured(cases["loser, occurrence done"][0], env)[3] == 0  # today's occurrence runs once, here
-        for case, (ours, theirs) in cases.items():  # warm the page cache once
-            measured(ours, env)
-            measured(theirs, env)
+        for case, cmds in cases.items():  # warm the page cache once
+            for cmd in cmds[:len(tools)]:
+                measured(cmd, env)
         for round_no in range(args.rounds):
-            for case, (ours, theirs) in cases.items():
-                order = [("consulrun", ours), ("consul lock", theirs)]
+            for case, cmds in cases.items():
+                order = list(zip(tools, cmds))
                 if round_no % 2:
                     order.reverse()
                 for name, cmd in order:
                     wall, cpu, rss, code = measured(cmd, env)
-                    want = expected[case][0 if name == "consulrun" else 1]
+                    want = expected[case][1 if name == "consul lock" else 0]
                     assert code == want, (case, name, code)
                     results[case][name].append((wall, cpu, rss))
     finally:
@@ -91,30 +106,32 @@ def main() -> None:
     load = os.getloadavg()[0]
     print(f"Rounds: {args.rounds} per case (interleaved, alternating order); one dev agent; Consul v1.16.3 built by "
           f"scripts/consul-binary; Python {sys.version.split()[0]}; load average at the end {load:.2f}\n")
-    print("| path | measure | consulrun run: median (min-max) | consul lock: median (min-max) | ratio of medians |")
-    print("|---|---|---|---|---|")
-    medians: dict[tuple[str, str], float] = {}
+    head = "| path | measure | " + " | ".join(f"{t}: median (min-max)" for t in tools) + " | ratio to consul lock |"
+    print(head)
+    print("|---" * (len(tools) + 3) + "|")
+    medians: dict[tuple[str, str, str], float] = {}
     for case in cases:
         for index, (measure, unit, scale) in enumerate((("wall", "ms", 1000), ("CPU", "ms", 1000), ("peak RSS", "MiB", 1))):
             row = []
-            for name in ("consulrun", "consul lock"):
+            for name in tools:
                 values = [sample[index] * scale for sample in results[case][name]]
-                medians[(case, name, measure)] = statistics.median(values)  # type: ignore[index]
+                medians[(case, name, measure)] = statistics.median(values)
                 row.append(f"{statistics.median(values):.0f} {unit} ({min(values):.0f}-{max(values):.0f})")
-            ratio = medians[(case, "consulrun", measure)] / medians[(case, "consul lock", measure)]  # type: ignore[index]
-            print(f"| {case} | {measure} | {row[0]} | {row[1]} | {ratio:.2f} |")
+            ratios = ", ".join(f"{medians[(case, t, measure)] / medians[(case, 'consul lock', measure)]:.2f}"
+                               + ("" if t == "consulrun" else " before") for t in tools if t != "consul lock")
+            print(f"| {case} | {measure} | " + " | ".join(row) + f" | {ratios} |")
     print(f"\nCPU-seconds per minute on one node, each job on {args.nodes} nodes (one wins, {args.nodes - 1} skip), "
           "from the CPU medians above:\n")
-    print("| jobs per minute | consulrun run | consul lock | ratio |")
-    print("|---|---|---|---|")
+    print("| jobs per minute | " + " | ".join(tools) + " | ratio to consul lock |")
+    print("|---" * (len(tools) + 2) + "|")
     for jobs in (10, 100, 1000):
         cost = {}
-        for name in ("consulrun", "consul lock"):
-            win, lose = medians[("winner", name, "CPU")], medians[("loser", name, "CPU")]  # type: ignore[index]
+        for name in tools:
+            win, lose = medians[("winner", name, "CPU")], medians[("loser", name, "CPU")]
             cost[name] = jobs * (win + (args.nodes - 1) * lose) / args.nodes / 1000
-        print(f"| {jobs} | {cost['consulrun']:.1f} s | {cost['consul lock']:.1f} s | "
-              f"{cost['consulrun'] / cost['consul lock']:.2f} |")
-
+        ratios = ", ".join(f"{cost[t] / cost['consul lock']:.2f}" + ("" if t == "consulrun" else " before")
+                           for t in tools if t != "consul lock")
+        print(f"| {jobs} | " + " | ".join(f"{cost[t]:.1f} s" for t in tools) + f" | {ratios} |")
 
 if __name__ == "__main__":
     main()
