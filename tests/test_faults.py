@@ -921,3 +921,22 @@ def test_a_finish_refused_in_an_election_is_retried_until_it_lands(consul: Agent
     if how:
         assert kv_json(consul, f"consulrun/{job}/occurrence")["state"] == "done"
     assert sessions(consul) == []
+
+
+def test_a_stop_during_a_refused_finish_retries_only_for_what_the_stop_leaves(consul: Agent, tmp_path: Path) -> None:
+    """systemd stops the unit (SIGTERM) while the finish is refused: the wrapper retries only for the part of
+    the stop timeout its fencing leaves (about 1 s at --lock-delay 5s), not the 30 s an unstopped finish gets,
+    so it ends before systemd's SIGKILL; the session's invalidation frees the lock."""
+    from tests.harness.faultproxy import FaultProxy
+
+    with FaultProxy(consul.http_addr) as proxy:
+        refused = proxy.fail("PUT", '"Verb": "unlock"', "refuse", times=1000)
+        proc = consulrun("run", "--lock-delay", "5s", "stopfinish", "--", "true",
+                         env={"CONSUL_HTTP_ADDR": proxy.address})
+        wait_for(lambda: len(refused.hits) >= 1, 20, "the finish to be refused")
+        proc.send_signal(signal.SIGTERM)
+        code, _, err = finish(proc, timeout=10)  # 30 s of retries would not fit
+    assert code == 128 + signal.SIGTERM, err
+    assert "could not record the result or release consulrun/stopfinish/lock" in err, err
+    assert "Traceback" not in err
+    wait_for(lambda: sessions(consul) == [], 20, "the session to be gone")
