@@ -231,11 +231,14 @@ def run_group(name: str, group: dict, deadline: float, again: bool = False) -> N
     copy_checkout(work)
     results_path = work / "results.json"
     results: dict = json.loads(results_path.read_text()) if results_path.exists() else {}
+    survivors = {identity(key) for key, value in results.items() if value["status"] == "survived"}
     if again:  # tests were added for the survivors: run those mutants again, against the checkout as it is now
         results = {key: value for key, value in results.items() if value["status"] != "survived"}
     results = {identity(key): value for key, value in results.items()}
     mutants = [m for rel, names in group["mutate"].items() for m in mutants_of(work, rel, names)]
     todo = [m for m in mutants if identity(m[0]) not in results]
+    if again:  # the survivors first, then (budget allowing) the mutants not run yet
+        todo.sort(key=lambda m: identity(m[0]) not in survivors)
     print(f"mutation: {name}: {len(mutants)} mutants, {len(todo)} to run; {len(group['tests'])} test arguments",
           flush=True)
     if not todo:
