@@ -801,7 +801,7 @@ def test_sigterm_after_a_retried_start_still_ends_the_wait_at_once(consul: Agent
 
     other: dict[str, str] = {}
 
-    def another_node_takes_the_lock() -> None:
+    def another_node_takes_the_lock(_request: str) -> None:
         other["session"] = consul.api("PUT", "session/create", json={"Name": "other", "TTL": "60s",
                                                                      "LockDelay": "0s"}).json()["ID"]
         assert consul.api("PUT", "kv/consulrun/retrywait/lock", params={"acquire": other["session"]},
@@ -886,7 +886,7 @@ def test_a_lock_lost_between_its_acquisition_and_its_confirmation_is_not_taken_f
 
     ran = tmp_path / "ran"
 
-    def session_dies() -> None:
+    def session_dies(_request: str) -> None:
         consul.api("PUT", f"session/destroy/{lock_entry(consul, 'consulrun/flap/lock')['Session']}")
 
     with FaultProxy(consul.http_addr) as proxy:
@@ -940,3 +940,27 @@ def test_a_stop_during_a_refused_finish_retries_only_for_what_the_stop_leaves(co
     assert "could not record the result or release consulrun/stopfinish/lock" in err, err
     assert "Traceback" not in err
     wait_for(lambda: sessions(consul) == [], 20, "the session to be gone")
+
+
+def test_a_session_gone_before_its_acquisition_is_replaced_once_and_the_run_goes_on(consul: Agent,
+                                                                                   tmp_path: Path) -> None:
+    """The session dies between its creation and the acquiring transaction (Consul answers "invalid session"):
+    the node makes one new session and acquires with it; it is neither a lost race nor a failure."""
+    import re as regex
+
+    from tests.harness.faultproxy import FaultProxy
+
+    ran = tmp_path / "ran"
+
+    def the_session_dies(request: str) -> None:
+        session = regex.search(r'"Session": "([0-9a-f-]{36})"', request).group(1)
+        consul.api("PUT", f"session/destroy/{session}")
+
+    with FaultProxy(consul.http_addr) as proxy:
+        gone = proxy.fail("PUT", '"Verb": "lock"', "forward", then=the_session_dies)
+        code, _, err = finish(consulrun("run", "--skip-exit-code", str(SKIP), "newsession", "--", "touch", str(ran),
+                                        env={"CONSUL_HTTP_ADDR": proxy.address}))
+    assert len(gone.hits) == 1
+    assert code == 0 and ran.exists(), err
+    assert "no longer exists; making a new one" in err, err
+    assert sessions(consul) == []

@@ -9,6 +9,7 @@ what Consul never would.
 from __future__ import annotations
 
 import http.server
+import base64
 import json
 import os
 import subprocess
@@ -109,6 +110,8 @@ def test_command_that_fails_to_exec_is_127_and_leaves_the_lock_free(consul: Agen
     assert f"cannot start {broken}: No such file or directory" in result.stderr
     entry = consul.get("kv/consulrun/brokenjob/lock")[0]
     assert "Session" not in entry  # released
+    last = json.loads(base64.b64decode(entry["Value"]))["last"]
+    assert last["lost"] == f"cannot start {broken}: No such file or directory" and "exit_status" not in last, last
     assert consul.get("session/list") == []  # and its session destroyed
 
 

@@ -24,7 +24,7 @@ class Rule:
     holds: str  # a text the request's path or body holds
     action: str  # "refuse", "lose-answer", or "forward" (only its `then` happens first)
     times: int = 1
-    then: Callable[[], None] | None = None  # done before answering: another node's move, landed exactly here
+    then: Callable[[str], None] | None = None  # given the request; done before answering: another node's move
     hits: list[str] = field(default_factory=list)  # what it matched, for the test to check
 
 
@@ -45,7 +45,7 @@ class FaultProxy:
                 body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
                 rule = proxy._match(self.command, self.path, body)
                 if rule and rule.then:
-                    rule.then()
+                    rule.then(self.path + "\n" + body.decode("utf-8", "replace"))
                 if rule and rule.action == "refuse":
                     return self._answer(500, ELECTION)
                 upstream_conn = http.client.HTTPConnection(host, int(port), timeout=600)
@@ -87,7 +87,7 @@ class FaultProxy:
         return None
 
     def fail(self, method: str, holds: str, action: str, times: int = 1,
-             then: Callable[[], None] | None = None) -> Rule:
+             then: Callable[[str], None] | None = None) -> Rule:
         rule = Rule(method, holds, action, times, then)
         with self._lock:
             self.rules.append(rule)
