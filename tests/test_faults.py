@@ -964,3 +964,21 @@ def test_a_session_gone_before_its_acquisition_is_replaced_once_and_the_run_goes
     assert code == 0 and ran.exists(), err
     assert "no longer exists; making a new one" in err, err
     assert sessions(consul) == []
+
+
+def test_every_termination_signal_reaches_the_job_not_only_the_first(consul: Agent, tmp_path: Path) -> None:
+    """systemd may signal twice (a stop, then a second stop or a restart): each SIGTERM is forwarded once, in
+    order, and the wrapper stays responsive between them."""
+    heard, ready = tmp_path / "heard", tmp_path / "ready"
+    # Counted in the shell itself: a command substitution's subshell would be in the job's group and die of it.
+    job = (f"n=0; trap 'n=$((n + 1)); echo TERM >> {heard}' TERM; touch {ready}; "
+           f"while [ $n -lt 2 ]; do sleep 0.1; done; exit 0")
+    proc = consulrun("run", "twice", "--", "sh", "-c", job)
+    wait_for(ready.exists, 20, "the job")
+    proc.send_signal(signal.SIGTERM)
+    wait_for(lambda: heard.exists() and heard.read_text().count("TERM") == 1, 10, "the first SIGTERM to reach the job")
+    proc.send_signal(signal.SIGTERM)
+    code, _, err = finish(proc, timeout=20)
+    assert heard.read_text() == "TERM\nTERM\n", err
+    assert code == 0 and err.count("SIGTERM received; forwarding it to the job's processes") == 2, err
+    assert sessions(consul) == []
