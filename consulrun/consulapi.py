@@ -273,6 +273,12 @@ def _tls_context(config: ConsulConfig) -> ssl.SSLContext:
 Response = tuple[int, http.client.HTTPMessage, str]
 
 
+def _blocking(index: int, wait_s: float | None) -> tuple[list[tuple[str, Any]], float]:
+    """A blocking read's parameters from `index`, and the longest it may wait (None: Consul's own 5 minutes)."""
+    wait = 300.0 if wait_s is None else wait_s
+    return [("index", index), ("wait", f"{max(1, int(wait * 1000))}ms")], wait
+
+
 class Client:
     """The handful of Consul calls consulrun makes, each with a bounded timeout."""
 
@@ -360,16 +366,11 @@ class Client:
 
     def kv_get(self, key: str, *, index: int | None = None, wait_s: float | None = None,
                consistent: bool = False, recurse: bool = False) -> tuple[int, Any]:
-        params: list[tuple[str, Any]] = []
-        if index is not None:
-            params.append(("index", index))
-            if wait_s is not None:
-                params.append(("wait", f"{max(1, int(wait_s * 1000))}ms"))
+        params, blocking = _blocking(index, wait_s) if index is not None else ([], None)
         if recurse:
             params.append(("recurse", "1"))
         if consistent:
             params.append(("consistent", "1"))
-        blocking = (wait_s if wait_s is not None else 300.0) if index is not None else None
         with self._translated(f"reading {key}"):
             idx, entries = self._json("GET", f"/v1/kv/{key}", params, wait_s=blocking)
             if entries is not None and not (isinstance(entries, list) and all(
@@ -379,15 +380,6 @@ class Client:
                 if entry.get("Value") is not None:
                     entry["Value"] = base64.b64decode(entry["Value"])
             return idx, (entries if recurse else (entries[0] if entries else None))
-
-    def kv_acquire(self, key: str, value: str, session: str) -> bool:
-        with self._translated(f"acquiring {key}"):
-            return self._json("PUT", f"/v1/kv/{key}", [("acquire", session)], value)[1] is True
-
-    def kv_release(self, key: str, value: str, session: str) -> bool:
-        """Release `key`; a PUT always sets the value, so the caller says what it becomes."""
-        with self._translated(f"releasing {key}"):
-            return self._json("PUT", f"/v1/kv/{key}", [("release", session)], value)[1] is True
 
     def txn(self, ops: list[dict[str, Any]], *, optional_checks: bool = False) -> list[dict[str, Any]] | None:
         """Apply `ops` atomically; the results, or None if Consul rolled the transaction back.
@@ -461,10 +453,6 @@ class Client:
         with self._translated("destroying the session"):
             self._call("PUT", f"/v1/session/destroy/{session}", allow_404=False)
 
-    def node_health(self, node: str) -> list[dict[str, Any]]:
-        with self._translated(f"reading the health of node {node}"):
-            return self._json("GET", f"/v1/health/node/{node}")[1] or []
-
     def session_info(self, session: str) -> dict[str, Any] | None:
         with self._translated("reading a session"):
             found = self._json("GET", f"/v1/session/info/{session}")[1]
@@ -481,20 +469,18 @@ class Client:
     # Consul filters list, session and health answers by ACLs silently, except for one header; these reads
     # turn that header into PermissionDenied, so a hidden key, session or check is never taken for absent.
 
-    def _visible(self, what: str, path: str, params: list[tuple[str, Any]]) -> tuple[int, Any]:
-        wait = next((float(v[:-2]) / 1000 for k, v in params if k == "wait"), None)
+    def _visible(self, what: str, path: str, params: list[tuple[str, Any]],
+                 wait_s: float | None = None) -> tuple[int, Any]:
         with self._translated(what):
-            code, headers, text = self._call("GET", path, params, wait_s=wait)
+            code, headers, text = self._call("GET", path, params, wait_s=wait_s)
             if str(headers.get(ACL_FILTERED_HEADER, "")).lower() == "true":
                 raise ConsulAnswer(403, f"the token cannot read all of it ({ACL_FILTERED_HEADER})")
             return int(headers.get("X-Consul-Index") or 0), (None if code == 404 else json.loads(text))
 
     def kv_tree(self, prefix: str, *, index: int | None = None, wait_s: float | None = None) -> tuple[int, list[dict[str, Any]]]:
         """Every entry under `prefix` (values decoded to text); PermissionDenied if ACLs hid any of them."""
-        params: list[tuple[str, Any]] = [("recurse", "1")]
-        if index:
-            params += [("index", index), ("wait", f"{max(1, int((wait_s or 300) * 1000))}ms")]
-        idx, entries = self._visible(f"reading {prefix}", f"/v1/kv/{prefix}", params)
+        params, blocking = _blocking(index, wait_s or None) if index else ([], None)
+        idx, entries = self._visible(f"reading {prefix}", f"/v1/kv/{prefix}", [*params, ("recurse", "1")], blocking)
         for entry in entries or []:
             if entry.get("Value") is not None:
                 entry["Value"] = base64.b64decode(entry["Value"]).decode("utf-8", "replace")

@@ -142,9 +142,10 @@ class Locker:
         key changed since), read together: a pause landing between this look and the acquisition stops it."""
         from consulrun.pause import describe, in_force, pause_key, unchanged_op, value_of
 
+        key = pause_key(self.spec.base)
         lock_prefix = self.spec.keys()[0] if self.spec.concurrency == 1 else f"{self.spec.base}/slots/"
-        found = self.client.read_trees([lock_prefix, pause_key(self.spec.base)])
-        pause_entry = found.pop(pause_key(self.spec.base), None)
+        found = self.client.read_trees([lock_prefix, key])
+        pause_entry = found.pop(key, None)
         guard = unchanged_op(self.spec.base, int(pause_entry["ModifyIndex"]) if pause_entry else 0)
         paused = value_of(pause_entry)
         entries = {k: e for k, e in found.items() if k in self.spec.keys()}

@@ -113,15 +113,17 @@ class _Signals:
             return
         if self._shielded:
             self.interruptible = self._shielded.pop()
-        if self.interruptible and self.job is None and self.received:
-            raise Interrupted(self.received[0])
+        self._interrupt_if(self.interruptible)
 
     def checkpoint(self) -> None:
         """Raise Interrupted for a held-back signal if the wait the shields interrupted was interruptible: a
         point inside a shielded step where giving up is safe (the caller then destroys the session). The
         shields stay as they are."""
-        outermost = self._shielded[0] if self._shielded else self.interruptible
-        if outermost and self.job is None and self.received:
+        self._interrupt_if(self._shielded[0] if self._shielded else self.interruptible)
+
+    def _interrupt_if(self, interruptible: bool) -> None:
+        """Raise Interrupted for the first signal held back, if any, when no job runs to receive it."""
+        if interruptible and self.job is None and self.received:
             raise Interrupted(self.received[0])
 
     def drain(self) -> None:

@@ -97,7 +97,7 @@ def test_unix_socket_address_reaches_the_agent(ipv6_agent: Agent, tmp_path: Path
 @pytest.mark.consul
 def test_unix_socket_client_talks_to_the_agent(ipv6_agent: Agent) -> None:
     """The Client sends every call to the socket a unix:///path address names; a missing socket is one clear line."""
-    from consulrun.consulapi import Client, ConsulConfig
+    from consulrun.consulapi import Client, ConsulConfig, decoded, kv_op
     from consulrun.errors import ConsulUnavailable
 
     config = ConsulConfig.from_env({}, address=f"unix://{ipv6_agent.extra['socket']}")
@@ -107,9 +107,9 @@ def test_unix_socket_client_talks_to_the_agent(ipv6_agent: Agent) -> None:
     assert client.address == f"unix://{ipv6_agent.extra['socket']}"
     session = client.session_create(name="unix-probe", ttl_ms=10_000, lock_delay_ms=0, node_checks=[],
                                     service_checks=[])
-    assert client.kv_acquire("consulrun-unix/probe", "x", session) is True
+    assert client.txn([kv_op("lock", "consulrun-unix/probe", {"x": 1}, Session=session)]) is not None
     index, entry = client.kv_get("consulrun-unix/probe")
-    assert entry["Value"] == b"x" and entry["Session"] == session and index > 0
+    assert decoded(entry) == {"x": 1} and entry["Session"] == session and index > 0
     client.session_destroy(session)
     missing = Client(ConsulConfig.from_env({}, address=f"unix://{ipv6_agent.extra['socket']}.gone"))
     with pytest.raises(ConsulUnavailable, match=r"Consul agent not reachable: .*http\.sock\.gone: no such file"):
