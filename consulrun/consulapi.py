@@ -359,6 +359,11 @@ class Client:
         with self._translated("reading the local agent's node name"):
             return self._json("GET", "/v1/agent/self")[1]["Config"]["NodeName"]
 
+    def alive_members(self) -> list[str]:
+        """The node names the local agent's gossip sees alive: its own view, answered without a server or Raft."""
+        with self._translated("listing the cluster's members"):
+            return [m["Name"] for m in self._json("GET", "/v1/agent/members")[1] or [] if m.get("Status") == 1]
+
     def check_kinds(self) -> dict[str, str]:
         """Check ID -> service ID ('' for node checks) of the local agent's checks."""
         with self._translated("listing the local agent's checks"):

@@ -24,6 +24,7 @@ occurrences are run again (attempt + 1); under `skip`, never.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
 from dataclasses import dataclass
@@ -47,6 +48,27 @@ class Occurrence:
     id: str
     next_when: datetime | None  # when the following occurrence is due; standbys give up then
     specs: tuple[str, ...] = ()
+
+
+# Who goes first. Every node's timer fires within the same second or so; a node that reads the record before the
+# winner's claim lands would make a session and destroy it for nothing (two writes each). So each occurrence's
+# nodes are ranked (rendezvous hashing of the job and the occurrence over the members the local agent sees alive):
+# the first claims at once, the k-th leaves it to those before it for k steps, on a blocking read of the record
+# that ends as soon as a claim lands. A step outlasts a timer's 1 s AccuracySec= window plus a wrapper's start, so
+# the second never races a first that fired last. The agents' gossip drops a dead node within seconds, and nodes
+# that do not run the job (servers, other roles) take ranks too, so nobody waits more than RANK_STEPS_AT_MOST steps.
+RANK_STEP_S = 2.0
+RANK_STEPS_AT_MOST = 3
+
+
+def rank(key: str, node: str, members: list[str]) -> int:
+    """`node`'s place for `key` among `members` (0 goes first): the same order on every node, its own per key,
+    so runs spread evenly and a node that leaves moves only its own share."""
+    def score(name: str) -> bytes:
+        return hashlib.blake2b(f"{key}\n{name}".encode(), digest_size=8).digest()
+
+    mine = score(node)
+    return sum(1 for name in set(members) - {node} if score(name) > mine)
 
 
 def current(specs: list[str], now: datetime) -> Occurrence | None:
@@ -106,6 +128,11 @@ class Ledger:
                         paused=pause.describe(paused) if pause.in_force(paused) else None,
                         trigger=decoded(trigger) or None, trigger_index=int(trigger["ModifyIndex"]) if trigger else 0,
                         pause_index=int(entries[self.pause_key]["ModifyIndex"]) if self.pause_key in entries else 0)
+
+    def await_claim(self, snap: Snapshot, wait_s: float) -> None:
+        """Return when the record moves on from `snap` (a claim landed) or after `wait_s`: a blocking read, no write."""
+        index = snap.record_index or self.client.kv_get(self.record_key)[0]
+        self.client.kv_get(self.record_key, index=index, wait_s=wait_s)
 
     def manual_key(self, claim: dict[str, Any]) -> str:
         return f"{self.history_prefix}{claim['started']}~manual"
@@ -282,6 +309,22 @@ def acquire(locker: Locker, ledger: Ledger, occ: Occurrence, policy: str,
             return result
 
 
+def _turn(locker: Locker, ledger: Ledger, occ: Occurrence) -> float:
+    """How long this node leaves an unclaimed occurrence to the nodes ranked before it (0: it goes first)."""
+    try:
+        members = locker.client.alive_members()
+    except ConsulrunError:
+        return 0.0  # the order only saves writes: without it, every node claims at once, as safely
+    place = rank(f"{ledger.base}\n{occ.id}", locker.node_name(), members)
+    if not place:
+        return 0.0
+    wait = min(place, RANK_STEPS_AT_MOST) * RANK_STEP_S
+    locker.say_waiting("rank", f"occurrence {occ.id} is unclaimed and this node is ranked {place + 1} of "
+                               f"{len(set(members) | {locker.node_name()})} for it; leaving it to the nodes before it "
+                               f"for up to {wait:.0f}s")
+    return wait
+
+
 def _step(locker: Locker, ledger: Ledger, occ: Occurrence, policy: str, deadline: float, retry: LockDelayRetry,
           look: dict[str, bool]) -> tuple[Held | None, dict[str, Any] | None, str] | None:
     """One look and what follows from it: a result, or None to look again."""
@@ -323,6 +366,9 @@ def _step(locker: Locker, ledger: Ledger, occ: Occurrence, policy: str, deadline
         return None, None, f"occurrence {occ.id} {how}{lost_race} (on_holder_loss=skip)"
     if state in ("running", "failed", "dead"):
         look["waiting"] = True  # retry: from here on this node stands by or takes over
+    if first and state == "free" and not snap.holder_session and (wait := _turn(locker, ledger, occ)):
+        ledger.await_claim(snap, wait)
+        return None
     holders = [snap.lock] if snap.holder_session else []
     if not holders and state != "running":
         claimed: dict[str, Any] = {}

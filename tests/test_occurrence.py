@@ -5,8 +5,11 @@ from __future__ import annotations
 import base64
 import json
 import random
+import os
 import re
 import signal
+import subprocess
+import sys
 import threading
 import time
 from datetime import datetime, timezone
@@ -14,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import require_tool
+from tests.conftest import REPO, require_tool
 from tests.harness.agents import Agent, Cluster, wait_for
 from tests.test_run import SKIP, consulrun, finish, lock_entry
 
@@ -275,3 +278,79 @@ def test_dead_runner_under_skip_is_marked_abandoned_and_not_rerun(consul: Agent,
     assert record["state"] == "abandoned" and "runner" in record["reason"]
     year = datetime.now(timezone.utc).year
     assert history(consul, "abandon")[f"{year}-01-01T00:00:00Z"]["state"] == "abandoned"
+
+
+def _ranked(job: str, names: list[str]) -> list[str]:
+    """`names` in the order consulrun ranks them for this year's YEARLY occurrence of `job`, first first."""
+    from consulrun import occurrence
+
+    key = f"consulrun/{job}\n{datetime.now(timezone.utc).year}-01-01T00:00:00Z"
+    return sorted(names, key=lambda name: occurrence.rank(key, name, names))
+
+
+def test_ranks_are_one_order_per_occurrence_spread_evenly_and_a_leaver_moves_only_its_share() -> None:
+    from consulrun.occurrence import rank
+
+    nodes = [f"node{i}" for i in range(1, 4)]
+    keys = [f"consulrun/job{j}\n2026-11-30T{h:02d}:00:00Z" for j in range(10) for h in range(10)]
+    for key in keys:  # every node agrees: each has its own place, 0..N-1
+        assert sorted(rank(key, n, nodes) for n in nodes) == [0, 1, 2]
+    first = {key: next(n for n in nodes if rank(key, n, nodes) == 0) for key in keys}
+    share = {n: sum(1 for winner in first.values() if winner == n) for n in nodes}
+    assert all(22 <= count <= 45 for count in share.values()), share  # 100 occurrences: a third each, give or take
+    survivors = nodes[:2]
+    for key, winner in first.items():  # node3 leaves: who was first stays first; node3's share goes to the others
+        now_first = next(n for n in survivors if rank(key, n, survivors) == 0)
+        assert now_first == winner or winner == "node3", key
+    assert rank("k", "node9", ["node1"]) in (0, 1) and rank("k", "node1", []) == 0  # not listed: ranked among them
+
+
+@pytest.mark.cluster
+def test_nodes_firing_together_leave_the_occurrence_to_the_first_ranked(cluster: Cluster, tmp_path: Path) -> None:
+    """The first-ranked node claims; the others wait on the record with no session and skip on its claim; a node
+    ranked first that does not run the job costs the next one step; a dead node drops out of the order."""
+    env = {"CONSUL_HTTP_ADDR": "127.0.0.1:8500"}
+    agents = {a.name: a for a in cluster.agents}
+
+    def start(node: str, job: str, log: Path) -> subprocess.Popen[bytes]:
+        """consulrun on `node`, its log in a file the test can read while it runs."""
+        cmd = [sys.executable, "-m", "consulrun", "run", "--schedule", YEARLY, "--skip-exit-code", str(SKIP), job,
+               "--", "sh", "-c", f"echo {node} >> {tmp_path / job}"]
+        with log.open("w") as err:
+            return subprocess.Popen(["ip", "netns", "exec", agents[node].netns, *cmd], stdout=subprocess.DEVNULL,
+                                    stderr=err, env={**os.environ, **env, "PYTHONPATH": str(REPO)})
+
+    # Together: the two ranked after the first are waiting (no session anywhere) when the first starts.
+    first, second, third = _ranked("together", list(agents))
+    logs = {n: tmp_path / f"together-{n}.log" for n in agents}
+    waiting = [start(n, "together", logs[n]) for n in (second, third)]
+    for node in (second, third):
+        wait_for(lambda n=node: "leaving it to the nodes before it" in logs[n].read_text(), 30, f"{node} to wait")
+    assert cluster.server.get("session/list") == []
+    winner = start(first, "together", logs[first])
+    assert winner.wait(timeout=60) == 0, logs[first].read_text()
+    for proc, node in zip(waiting, (second, third)):
+        assert proc.wait(timeout=60) == SKIP, logs[node].read_text()
+        assert f"was claimed by {first}" in logs[node].read_text() and "lost the race" not in logs[node].read_text()
+    assert (tmp_path / "together").read_text().split() == [first]
+    assert "ranked" not in logs[first].read_text()
+
+    # The first-ranked node does not run this job: the second claims after its step, alone.
+    first, second, _ = _ranked("elsewhere", list(agents))
+    log = tmp_path / "elsewhere.log"
+    assert start(second, "elsewhere", log).wait(timeout=60) == 0, log.read_text()
+    assert "ranked 2 of 3" in log.read_text()
+    assert (tmp_path / "elsewhere").read_text().split() == [second]
+
+    # A dead node drops out: a client ranked first is killed; the next node goes first, without waiting.
+    job = next(j for j in (f"dead{i}" for i in range(100)) if _ranked(j, list(agents))[0] != "node1")
+    dead, heir = _ranked(job, list(agents))[:2]
+    agents[dead].kill()
+    for name, agent in agents.items():
+        if name != dead:
+            wait_for(lambda a=agent: all(m["Status"] != 1 for m in a.get("agent/members") if m["Name"] == dead), 60,
+                     f"{name} to see {dead} dead")
+    log = tmp_path / "dead.log"
+    assert start(heir, job, log).wait(timeout=60) == 0, log.read_text()
+    assert "ranked" not in log.read_text()
+    assert (tmp_path / job).read_text().split() == [heir]
