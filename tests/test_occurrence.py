@@ -335,6 +335,15 @@ def test_nodes_firing_together_leave_the_occurrence_to_the_first_ranked(cluster:
     assert (tmp_path / "together").read_text().split() == [first]
     assert "ranked" not in logs[first].read_text()
 
+    # A termination signal during the turn ends the run at once: 143, no session, nothing run.
+    third = _ranked("stopped", list(agents))[2]
+    log = tmp_path / "stopped.log"
+    proc = start(third, "stopped", log)
+    wait_for(lambda: "leaving it to the nodes before it" in log.read_text(), 30, f"{third} to wait")
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=10) == 143, log.read_text()
+    assert cluster.server.get("session/list") == [] and not (tmp_path / "stopped").exists()
+
     # The first-ranked node does not run this job: the second claims after its step, alone.
     first, second, _ = _ranked("elsewhere", list(agents))
     log = tmp_path / "elsewhere.log"
