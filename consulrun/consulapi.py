@@ -359,10 +359,14 @@ class Client:
         with self._translated("reading the local agent's node name"):
             return self._json("GET", "/v1/agent/self")[1]["Config"]["NodeName"]
 
-    def alive_members(self) -> list[str]:
-        """The node names the local agent's gossip sees alive: its own view, answered without a server or Raft."""
+    def alive_members(self) -> tuple[list[tuple[str, bool]], bool]:
+        """The members the local agent's gossip sees alive, as (name, is a server), and whether the ACL token hid
+        some (Consul drops them from the list silently): the agent's own view, answered without a server or Raft."""
         with self._translated("listing the cluster's members"):
-            return [m["Name"] for m in self._json("GET", "/v1/agent/members")[1] or [] if m.get("Status") == 1]
+            code, headers, text = self._call("GET", "/v1/agent/members")
+            members = json.loads(text) if code != 404 else []
+            return ([(m["Name"], (m.get("Tags") or {}).get("role") == "consul") for m in members
+                     if m.get("Status") == 1], headers.get("X-Consul-Results-Filtered-By-ACLs") == "true")
 
     def check_kinds(self) -> dict[str, str]:
         """Check ID -> service ID ('' for node checks) of the local agent's checks."""

@@ -2,8 +2,8 @@
 
 `on_holder_loss: retry` promises at least once per occurrence only if a dead
 run can be noticed and run again before the next occurrence replaces it:
-the occurrences must be more than the timer's accuracy and randomized delay +
-2 x TTL (the longest a dead wrapper's session may live) + lock-delay + the
+the occurrences must be more than the timer's accuracy and randomized delay + the
+nodes' turns (occurrence.py: 6 s, at most a tenth of the interval) + 2 x TTL (the longest a dead wrapper's session may live) + lock-delay + the
 job's run time (its timeout) apart.
 """
 
@@ -18,11 +18,18 @@ from consulrun.manifest import Job, Manifest
 LOOK_AHEAD = 200  # occurrences examined for the densest gap (a daily spec with one dense day, DST)
 
 
-def retry_takeover_needs_ms(job: Job) -> int:
-    """The timer's own lateness (accuracy + randomized delay), the longest a dead run goes unnoticed (2 x TTL),
-    lock-delay, and the second attempt's run time."""
-    return (job.timer.accuracy_ms + job.timer.randomized_delay_ms + 2 * job.lock.ttl_ms + job.lock.lock_delay_ms
-            + (job.timeout_ms or 0))
+def turn_ms(gap_ms: int | None) -> int:
+    """The longest the nodes' turns delay the first attempt (occurrence.py: 6 s, at most a tenth of the gap)."""
+    from consulrun.occurrence import turn_at_most_s  # generate needs no Consul client otherwise
+
+    return int(turn_at_most_s(gap_ms / 1000 if gap_ms is not None else None) * 1000)
+
+
+def retry_takeover_needs_ms(job: Job, gap_ms: int | None = None) -> int:
+    """The timer's own lateness (accuracy + randomized delay), the nodes' turns, the longest a dead run goes
+    unnoticed (2 x TTL), lock-delay, and the second attempt's run time."""
+    return (job.timer.accuracy_ms + job.timer.randomized_delay_ms + turn_ms(gap_ms) + 2 * job.lock.ttl_ms
+            + job.lock.lock_delay_ms + (job.timeout_ms or 0))
 
 
 def densest_gap_ms(specs: list[str], start: datetime) -> int | None:
@@ -46,13 +53,15 @@ def warnings(manifest: Manifest, now: datetime | None = None) -> list[str]:
     for job in manifest.jobs:
         if job.on_holder_loss != "retry" or job.lock.concurrency != 1:
             continue
-        gap, needs = densest_gap_ms(list(job.schedules), now), retry_takeover_needs_ms(job)
+        gap = densest_gap_ms(list(job.schedules), now)
+        needs = retry_takeover_needs_ms(job, gap)
         if gap is not None and gap <= needs:
             run_time = f" + timeout {format_duration(job.timeout_ms)}" if job.timeout_ms else " + the job's run time"
             found.append(f"job {job.name}: on_holder_loss: retry cannot promise at least once: occurrences are "
                          f"{format_duration(gap)} apart, but noticing a dead run and running it again can take "
                          f"{format_duration(needs)} (timer accuracy + randomized delay "
-                         f"{format_duration(job.timer.accuracy_ms + job.timer.randomized_delay_ms)} + 2 x ttl "
+                         f"{format_duration(job.timer.accuracy_ms + job.timer.randomized_delay_ms)} + the nodes' "
+                         f"turns {format_duration(turn_ms(gap))} + 2 x ttl "
                          f"{format_duration(job.lock.ttl_ms)} + lock_delay {format_duration(job.lock.lock_delay_ms)}"
                          f"{run_time}); a lost run may be superseded by the next")
     return found

@@ -52,23 +52,30 @@ class Occurrence:
 
 # Who goes first. Every node's timer fires within the same second or so; a node that reads the record before the
 # winner's claim lands would make a session and destroy it for nothing (two writes each). So each occurrence's
-# nodes are ranked (rendezvous hashing of the job and the occurrence over the members the local agent sees alive):
-# the first claims at once, the k-th leaves it to those before it for k steps, on a blocking read of the record
-# that ends as soon as a claim lands. A step outlasts a timer's 1 s AccuracySec= window plus a wrapper's start, so
-# the second never races a first that fired last. The agents' gossip drops a dead node within seconds, and nodes
-# that do not run the job (servers, other roles) take ranks too, so nobody waits more than RANK_STEPS_AT_MOST steps.
+# nodes take turns, in an order every node computes alike from the members its agent's gossip sees alive:
+# clients ranked by rendezvous hashing of the job and the occurrence, then servers likewise (servers seldom run
+# jobs; in a cluster of servers only, they are ranked among themselves). The first claims at once, the k-th leaves
+# the occurrence to those before it for k steps, on a blocking read of the record that ends as soon as a claim
+# lands. A step outlasts a timer's 1 s AccuracySec= window plus a wrapper's start, so the second never races a
+# first that fired last. Gossip drops a dead node within seconds; nodes that do not run the job take turns too,
+# so nobody waits more than RANK_STEPS_AT_MOST steps, nor more than a tenth of the time to the next occurrence.
 RANK_STEP_S = 2.0
 RANK_STEPS_AT_MOST = 3
+TURN_MAX_S = RANK_STEP_S * RANK_STEPS_AT_MOST
 
 
-def rank(key: str, node: str, members: list[str]) -> int:
-    """`node`'s place for `key` among `members` (0 goes first): the same order on every node, its own per key,
-    so runs spread evenly and a node that leaves moves only its own share."""
+def turn_at_most_s(interval_s: float | None) -> float:
+    """The longest a node's turn delays a run of a schedule whose occurrences are `interval_s` apart."""
+    return TURN_MAX_S if interval_s is None else min(TURN_MAX_S, interval_s / 10)
+
+
+def order(key: str, members: list[tuple[str, bool]]) -> list[str]:
+    """The turns for `key` among `members` ((name, is a server)): the same on every node, its own per key, so runs
+    spread evenly over the nodes and a node that leaves moves only its own share."""
     def score(name: str) -> bytes:
         return hashlib.blake2b(f"{key}\n{name}".encode(), digest_size=8).digest()
 
-    mine = score(node)
-    return sum(1 for name in set(members) - {node} if score(name) > mine)
+    return [name for _, _, name in sorted({(server, score(name), name) for name, server in members})]
 
 
 def current(specs: list[str], now: datetime) -> Occurrence | None:
@@ -132,7 +139,7 @@ class Ledger:
     def await_claim(self, snap: Snapshot, wait_s: float) -> None:
         """Return when the record moves on from `snap` (a claim landed) or after `wait_s`: a blocking read, no write."""
         index = snap.record_index or self.client.kv_get(self.record_key)[0]
-        self.client.kv_get(self.record_key, index=index, wait_s=wait_s)
+        self.client.kv_get(self.record_key, index=index, wait_s=wait_s * 16 / 17)  # Consul adds up to wait/16
 
     def manual_key(self, claim: dict[str, Any]) -> str:
         return f"{self.history_prefix}{claim['started']}~manual"
@@ -310,18 +317,25 @@ def acquire(locker: Locker, ledger: Ledger, occ: Occurrence, policy: str,
 
 
 def _turn(locker: Locker, ledger: Ledger, occ: Occurrence) -> float:
-    """How long this node leaves an unclaimed occurrence to the nodes ranked before it (0: it goes first)."""
+    """How long this node leaves an unclaimed occurrence to the nodes before it in turn (0: it goes first)."""
     try:
-        members = locker.client.alive_members()
+        members, hidden = locker.client.alive_members()
     except ConsulrunError:
-        return 0.0  # the order only saves writes: without it, every node claims at once, as safely
-    place = rank(f"{ledger.base}\n{occ.id}", locker.node_name(), members)
-    if not place:
+        return 0.0  # the turns only save writes: without them every node claims at once, as safely
+    me = locker.node_name()
+    turns = order(f"{ledger.base}\n{occ.id}", members)
+    if hidden or me not in turns:  # an order this node cannot see whole would not be the others' order
+        locker.say_waiting("rank", "this node cannot see every member of the cluster (its ACL token needs node:read "
+                                   "on every node), so it does not take turns with them: it claims at once")
         return 0.0
-    wait = min(place, RANK_STEPS_AT_MOST) * RANK_STEP_S
+    place = turns.index(me)
+    # A run started late must not run into the next occurrence: at most a tenth of the interval.
+    wait = min(min(place, RANK_STEPS_AT_MOST) * RANK_STEP_S,
+               turn_at_most_s((occ.next_when - occ.when).total_seconds() if occ.next_when else None))
+    if wait <= 0:
+        return 0.0
     locker.say_waiting("rank", f"occurrence {occ.id} is unclaimed and this node is ranked {place + 1} of "
-                               f"{len(set(members) | {locker.node_name()})} for it; leaving it to the nodes before it "
-                               f"for up to {wait:.0f}s")
+                               f"{len(turns)} for it; leaving it to the nodes before it for up to {wait:g}s")
     return wait
 
 

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, Callable
 from consulrun import calendar, procinfo
 from consulrun.consulapi import Client, decoded
 from consulrun.errors import ConsulrunError, PermissionDenied
+from consulrun.occurrence import TURN_MAX_S
 from consulrun.pause import in_force as pause_in_force, since as pause_skips, value_of as pause_value_of
 from consulrun.timefmt import parse_time
 
@@ -175,7 +176,7 @@ class Expectations:
     @classmethod
     def of(cls, job: Job | None, record: dict[str, Any] | None, grace_s: float) -> "Expectations | None":
         if job is not None:
-            lag = (job.timer.accuracy_ms + job.timer.randomized_delay_ms) / 1000 + grace_s
+            lag = (job.timer.accuracy_ms + job.timer.randomized_delay_ms) / 1000 + TURN_MAX_S + grace_s
             return cls(job.schedules, lag, job.timeout_ms / 1000 if job.timeout_ms else None)
         stored = (record or {}).get("schedule")
         if isinstance(stored, list) and stored and all(isinstance(s, str) for s in stored):

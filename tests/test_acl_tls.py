@@ -276,3 +276,21 @@ def test_consul_http_token_is_honoured(acl_agent: tuple[Agent, str], tmp_path: P
                                     env={"CONSUL_HTTP_ADDR": agent.http_addr, "CONSUL_HTTP_TOKEN": weak}))
     assert code == 77 and "Consul ACL denied it" in err and not marker.exists(), err
     assert good not in err and weak not in err
+
+
+def test_a_token_that_cannot_read_every_node_does_not_take_turns_and_says_so(acl_agent: tuple[Agent, str],
+                                                                            tmp_path: Path) -> None:
+    """Consul drops the members a token may not read from /v1/agent/members without an error: a node that cannot
+    see the whole order claims at once (as every node did before turns) and says why, once."""
+    agent, management = acl_agent
+    full = CliRunner().invoke(main, ["acl-policy"]).stdout
+    assert 'node_prefix "" {\n  policy = "read"\n}\n' in full
+    env = {"CONSUL_HTTP_ADDR": agent.http_addr}
+    for name, rules in (("full", full), ("blind", full.replace('node_prefix "" {\n  policy = "read"\n}\n', ""))):
+        _acl(agent, management, "PUT", "acl/policy", {"Name": name, "Rules": rules})
+        secret = _acl(agent, management, "PUT", "acl/token", {"Policies": [{"Name": name}]})["SecretID"]
+        env["CONSUL_HTTP_TOKEN_FILE"] = str(_token_file(tmp_path, name, secret))
+        code, _, err = finish(consulrun("run", "--schedule", "*-01-01 00:00:00 UTC", f"turns-{name}", "--",
+                                        "true", env=env))
+        assert code == 0, err
+        assert ("cannot see every member of the cluster" in err) == (name == "blind"), err

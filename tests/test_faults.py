@@ -982,3 +982,41 @@ def test_every_termination_signal_reaches_the_job_not_only_the_first(consul: Age
     assert heard.read_text() == "TERM\nTERM\n", err
     assert code == 0 and err.count("SIGTERM received; forwarding it to the job's processes") == 2, err
     assert sessions(consul) == []
+
+
+@pytest.mark.parametrize("how", [[], ["--schedule", YEARLY]], ids=["plain", "occurrence"])
+def test_a_wait_on_a_held_lock_is_blocking_reads_not_a_busy_loop(consul: Agent, tmp_path: Path,
+                                                                 how: list[str]) -> None:
+    """A waiter looks, then blocks on the lock key until it changes or its wait ends: a handful of requests, not a
+    poll. Mutants that lost the index to block on (so every look returned at once) passed every other test."""
+    from tests.harness.faultproxy import FaultProxy
+
+    started, job = tmp_path / "started", f"busy{len(how)}"
+    holder = consulrun("run", *how, job, "--", "sh", "-c", f"touch {started}; sleep 60")
+    try:
+        wait_for(started.exists, 20, "the holder's job")
+        with FaultProxy(consul.http_addr) as proxy:
+            looks = proxy.fail("PUT", "/v1/txn", "forward", times=10_000)
+            blocks = proxy.fail("GET", "index=", "forward", times=10_000)
+            env = {"CONSUL_HTTP_ADDR": proxy.address}
+            if how:  # a retry standby waits until the next occurrence (a year away): stopped after 4 s
+                code, _, err = _stopped_after(consulrun("run", *how, "--on-holder-loss", "retry", job, "--", "true",
+                                                        env=env), 4)
+            else:
+                code, _, err = finish(consulrun("run", "--wait", "4s", "--skip-exit-code", str(SKIP), job, "--",
+                                                "true", env=env))
+        assert code == (SKIP if not how else 143), err
+        assert ("held by" if not how else "standing by") in err, err
+        assert 1 <= len(blocks.hits) <= 3 and len(looks.hits) <= 4, (len(looks.hits), blocks.hits)
+    finally:
+        holder.send_signal(signal.SIGTERM)
+        finish(holder)
+
+
+def _stopped_after(proc: subprocess.Popen[str], seconds: float) -> tuple[int, str, str]:
+    """`proc` given SIGTERM after `seconds` (a standby waits for the next occurrence, a year away)."""
+    try:
+        proc.wait(timeout=seconds)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGTERM)
+    return finish(proc)

@@ -204,14 +204,15 @@ def test_template_with_undefined_variable_is_an_error(tmp_path: Path) -> None:
 
 
 def test_retry_job_on_a_schedule_too_dense_for_a_takeover_is_warned_about(tmp_path: Path) -> None:
-    """accuracy + 2 x ttl + lock_delay + timeout = 1s + 2 x 10s + 5s + 30s = 56s; every minute is fine, 30 s not."""
+    """accuracy + turns + 2 x ttl + lock_delay + timeout = 1s + 6s + 2 x 10s + 5s + 25s = 57s: every minute is fine;
+    30 s apart (turns at most 3 s, a tenth of that) needs 54s, not fine."""
     from click.testing import CliRunner
 
     from consulrun.cli import main
 
     def generate(schedule: str) -> str:
         path = tmp_path / "jobs.yaml"
-        path.write_text(f"jobs:\n  dense:\n    command: ['true']\n    schedule: '{schedule}'\n    timeout: 30s\n"
+        path.write_text(f"jobs:\n  dense:\n    command: ['true']\n    schedule: '{schedule}'\n    timeout: 25s\n"
                         f"    on_holder_loss: retry\n    lock: {{ttl: 10s, lock_delay: 5s}}\n"
                         f"  quiet:\n    command: ['true']\n    schedule: '*:0/1'\n    lock: {{ttl: 10s}}\n")
         result = CliRunner().invoke(main, ["generate", str(path), "-o", "-"])
@@ -222,4 +223,4 @@ def test_retry_job_on_a_schedule_too_dense_for_a_takeover_is_warned_about(tmp_pa
     warned = generate("*:*:0/30")
     assert warned.count("\n") == 1
     assert warned.startswith("warning: job dense: on_holder_loss: retry cannot promise at least once: occurrences "
-                             "are 30s apart, but noticing a dead run and running it again can take 56s")
+                             "are 30s apart, but noticing a dead run and running it again can take 54s")

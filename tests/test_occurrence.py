@@ -280,29 +280,30 @@ def test_dead_runner_under_skip_is_marked_abandoned_and_not_rerun(consul: Agent,
     assert history(consul, "abandon")[f"{year}-01-01T00:00:00Z"]["state"] == "abandoned"
 
 
-def _ranked(job: str, names: list[str]) -> list[str]:
-    """`names` in the order consulrun ranks them for this year's YEARLY occurrence of `job`, first first."""
+def _ranked(job: str, names: list[str], servers: tuple[str, ...] = ("node1",)) -> list[str]:
+    """`names` in turn order for this year's YEARLY occurrence of `job` (the cluster fixture's node1 is a server)."""
     from consulrun import occurrence
 
     key = f"consulrun/{job}\n{datetime.now(timezone.utc).year}-01-01T00:00:00Z"
-    return sorted(names, key=lambda name: occurrence.rank(key, name, names))
+    return occurrence.order(key, [(name, name in servers) for name in names])
 
 
-def test_ranks_are_one_order_per_occurrence_spread_evenly_and_a_leaver_moves_only_its_share() -> None:
-    from consulrun.occurrence import rank
+def test_turns_are_one_order_per_occurrence_spread_evenly_and_a_leaver_moves_only_its_share() -> None:
+    from consulrun.occurrence import order
 
-    nodes = [f"node{i}" for i in range(1, 4)]
+    nodes = [(f"node{i}", False) for i in range(1, 4)]
     keys = [f"consulrun/job{j}\n2026-11-30T{h:02d}:00:00Z" for j in range(10) for h in range(10)]
-    for key in keys:  # every node agrees: each has its own place, 0..N-1
-        assert sorted(rank(key, n, nodes) for n in nodes) == [0, 1, 2]
-    first = {key: next(n for n in nodes if rank(key, n, nodes) == 0) for key in keys}
-    share = {n: sum(1 for winner in first.values() if winner == n) for n in nodes}
+    first = {key: order(key, nodes)[0] for key in keys}
+    assert all(sorted(order(key, nodes)) == ["node1", "node2", "node3"] for key in keys)
+    assert all(order(key, list(reversed(nodes))) == order(key, nodes) for key in keys)  # each node's list order
+    share = {n: sum(1 for winner in first.values() if winner == n) for n, _ in nodes}
     assert all(22 <= count <= 45 for count in share.values()), share  # 100 occurrences: a third each, give or take
-    survivors = nodes[:2]
     for key, winner in first.items():  # node3 leaves: who was first stays first; node3's share goes to the others
-        now_first = next(n for n in survivors if rank(key, n, survivors) == 0)
-        assert now_first == winner or winner == "node3", key
-    assert rank("k", "node9", ["node1"]) in (0, 1) and rank("k", "node1", []) == 0  # not listed: ranked among them
+        assert order(key, nodes[:2])[0] == winner or winner == "node3", key
+    with_servers = [*nodes, ("server1", True), ("server2", True)]
+    assert all(order(key, with_servers)[3:] == order(key, with_servers[3:]) and
+               order(key, with_servers)[:3] == order(key, nodes) for key in keys)  # servers after every client
+    assert order("k", [("server1", True)]) == ["server1"]  # a cluster of servers: ranked among themselves
 
 
 @pytest.mark.cluster
@@ -350,6 +351,14 @@ def test_nodes_firing_together_leave_the_occurrence_to_the_first_ranked(cluster:
     assert start(second, "elsewhere", log).wait(timeout=60) == 0, log.read_text()
     assert "ranked 2 of 3" in log.read_text()
     assert (tmp_path / "elsewhere").read_text().split() == [second]
+
+    # A dense schedule shortens the turn to a tenth of its interval: a run started late must not meet the next
+    # occurrence. node1, a server, goes after both clients; alone, it claims after 1 s, not 4.
+    dense = subprocess.run(["ip", "netns", "exec", agents["node1"].netns, sys.executable, "-m", "consulrun", "run",
+                            "--schedule", "*:*:0/10", "dense", "--", "true"], capture_output=True, text=True,
+                           env={**os.environ, **env, "PYTHONPATH": str(REPO)}, timeout=60)
+    assert dense.returncode == 0, dense.stderr
+    assert "ranked 3 of 3" in dense.stderr and "for up to 1s" in dense.stderr, dense.stderr
 
     # A dead node drops out: a client ranked first is killed; the next node goes first, without waiting.
     job = next(j for j in (f"dead{i}" for i in range(100)) if _ranked(j, list(agents))[0] != "node1")
