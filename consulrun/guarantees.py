@@ -3,7 +3,7 @@
 `on_holder_loss: retry` promises at least once per occurrence only if a dead
 run can be noticed and run again before the next occurrence replaces it:
 the occurrences must be more than the timer's accuracy and randomized delay + the
-nodes' turns (occurrence.py: 6 s, at most a tenth of the interval) + 2 x TTL (the longest a dead wrapper's session may live) + lock-delay + the
+nodes' turns (turns.py: 6 s, at most a tenth of the interval) + 2 x TTL (the longest a dead wrapper's session may live) + lock-delay + the
 job's run time (its timeout) apart.
 """
 
@@ -14,14 +14,13 @@ from datetime import datetime, timezone
 from consulrun import calendar
 from consulrun.durations import format_duration
 from consulrun.manifest import Job, Manifest
+from consulrun.turns import turn_at_most_s
 
 LOOK_AHEAD = 200  # occurrences examined for the densest gap (a daily spec with one dense day, DST)
 
 
 def turn_ms(gap_ms: int | None) -> int:
-    """The longest the nodes' turns delay the first attempt (occurrence.py: 6 s, at most a tenth of the gap)."""
-    from consulrun.occurrence import turn_at_most_s  # generate needs no Consul client otherwise
-
+    """The longest the nodes' turns delay the first attempt (turns.py: 6 s, at most a tenth of the gap)."""
     return int(turn_at_most_s(gap_ms / 1000 if gap_ms is not None else None) * 1000)
 
 

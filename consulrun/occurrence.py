@@ -24,14 +24,13 @@ occurrences are run again (attempt + 1); under `skip`, never.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
 
-from consulrun import calendar, pause, testhook
+from consulrun import calendar, pause, testhook, turns
 from consulrun.consulapi import Client, decoded, kv_op
 from consulrun.errors import ConsulrunError, ConsulUnavailable, UsageError
 from consulrun.lock import Held, Locker, LockDelayRetry, clock, describe_holder, now_iso
@@ -48,34 +47,6 @@ class Occurrence:
     id: str
     next_when: datetime | None  # when the following occurrence is due; standbys give up then
     specs: tuple[str, ...] = ()
-
-
-# Who goes first. Every node's timer fires within the same second or so; a node that reads the record before the
-# winner's claim lands would make a session and destroy it for nothing (two writes each). So each occurrence's
-# nodes take turns, in an order every node computes alike from the members its agent's gossip sees alive:
-# clients ranked by rendezvous hashing of the job and the occurrence, then servers likewise (servers seldom run
-# jobs; in a cluster of servers only, they are ranked among themselves). The first claims at once, the k-th leaves
-# the occurrence to those before it for k steps, on a blocking read of the record that ends as soon as a claim
-# lands. A step outlasts a timer's 1 s AccuracySec= window plus a wrapper's start, so the second never races a
-# first that fired last. Gossip drops a dead node within seconds; nodes that do not run the job take turns too,
-# so nobody waits more than RANK_STEPS_AT_MOST steps, nor more than a tenth of the time to the next occurrence.
-RANK_STEP_S = 2.0
-RANK_STEPS_AT_MOST = 3
-TURN_MAX_S = RANK_STEP_S * RANK_STEPS_AT_MOST
-
-
-def turn_at_most_s(interval_s: float | None) -> float:
-    """The longest a node's turn delays a run of a schedule whose occurrences are `interval_s` apart."""
-    return TURN_MAX_S if interval_s is None else min(TURN_MAX_S, interval_s / 10)
-
-
-def order(key: str, members: list[tuple[str, bool]]) -> list[str]:
-    """The turns for `key` among `members` ((name, is a server)): the same on every node, its own per key, so runs
-    spread evenly over the nodes and a node that leaves moves only its own share."""
-    def score(name: str) -> bytes:
-        return hashlib.blake2b(f"{key}\n{name}".encode(), digest_size=8).digest()
-
-    return [name for _, _, name in sorted({(server, score(name), name) for name, server in members})]
 
 
 def current(specs: list[str], now: datetime) -> Occurrence | None:
@@ -320,22 +291,26 @@ def _turn(locker: Locker, ledger: Ledger, occ: Occurrence) -> float:
     """How long this node leaves an unclaimed occurrence to the nodes before it in turn (0: it goes first)."""
     try:
         members, hidden = locker.client.alive_members()
-    except ConsulrunError:
-        return 0.0  # the turns only save writes: without them every node claims at once, as safely
-    me = locker.node_name()
-    turns = order(f"{ledger.base}\n{occ.id}", members)
-    if hidden or me not in turns:  # an order this node cannot see whole would not be the others' order
-        locker.say_waiting("rank", "this node cannot see every member of the cluster (its ACL token needs node:read "
-                                   "on every node), so it does not take turns with them: it claims at once")
+    except ConsulrunError as exc:  # the turns only save writes: without them every node claims at once, as safely
+        locker.say_waiting("rank", f"the cluster's members cannot be listed ({exc}), so this node does not take "
+                                   "turns with the others: it claims at once")
         return 0.0
-    place = turns.index(me)
-    # A run started late must not run into the next occurrence: at most a tenth of the interval.
-    wait = min(min(place, RANK_STEPS_AT_MOST) * RANK_STEP_S,
-               turn_at_most_s((occ.next_when - occ.when).total_seconds() if occ.next_when else None))
+    me = locker.node_name()
+    kinds = dict(members)
+    if hidden or me not in kinds:  # an order this node cannot see whole would not be the others' order
+        why = ("its ACL token needs node:read on every node" if hidden
+               else "this node is not alive in its own agent's member list")
+        locker.say_waiting("rank", f"this node cannot see every member of the cluster ({why}), so it does not take "
+                                   "turns with them: it claims at once")
+        return 0.0
+    order = turns.order(f"{ledger.base}\n{occ.id}", members, server=kinds[me])
+    place = order.index(me)
+    left = (occ.next_when - datetime.now(timezone.utc)).total_seconds() if occ.next_when else None
+    wait = turns.wait_s(place, left)
     if wait <= 0:
         return 0.0
     locker.say_waiting("rank", f"occurrence {occ.id} is unclaimed and this node is ranked {place + 1} of "
-                               f"{len(turns)} for it; leaving it to the nodes before it for up to {wait:g}s")
+                               f"{len(order)} for it; leaving it to the nodes before it for up to {wait:g}s")
     return wait
 
 
@@ -381,6 +356,7 @@ def _step(locker: Locker, ledger: Ledger, occ: Occurrence, policy: str, deadline
     if state in ("running", "failed", "dead"):
         look["waiting"] = True  # retry: from here on this node stands by or takes over
     if first and state == "free" and not snap.holder_session and (wait := _turn(locker, ledger, occ)):
+        testhook.pause("turn")
         ledger.await_claim(snap, wait)
         return None
     holders = [snap.lock] if snap.holder_session else []

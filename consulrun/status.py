@@ -20,9 +20,9 @@ from typing import TYPE_CHECKING, Any, Callable
 from consulrun import calendar, procinfo
 from consulrun.consulapi import Client, decoded
 from consulrun.errors import ConsulrunError, PermissionDenied
-from consulrun.occurrence import TURN_MAX_S
 from consulrun.pause import in_force as pause_in_force, since as pause_skips, value_of as pause_value_of
 from consulrun.timefmt import parse_time
+from consulrun.turns import TURN_MAX_S
 
 if TYPE_CHECKING:  # `run` (the health check of its finish) must not pay for the manifest validator
     from consulrun.manifest import Job, Manifest

@@ -282,15 +282,20 @@ def test_a_token_that_cannot_read_every_node_does_not_take_turns_and_says_so(acl
                                                                             tmp_path: Path) -> None:
     """Consul drops the members a token may not read from /v1/agent/members without an error: a node that cannot
     see the whole order claims at once (as every node did before turns) and says why, once."""
+    from tests.harness.faultproxy import FaultProxy
+
     agent, management = acl_agent
     full = CliRunner().invoke(main, ["acl-policy"]).stdout
     assert 'node_prefix "" {\n  policy = "read"\n}\n' in full
-    env = {"CONSUL_HTTP_ADDR": agent.http_addr}
     for name, rules in (("full", full), ("blind", full.replace('node_prefix "" {\n  policy = "read"\n}\n', ""))):
         _acl(agent, management, "PUT", "acl/policy", {"Name": name, "Rules": rules})
         secret = _acl(agent, management, "PUT", "acl/token", {"Policies": [{"Name": name}]})["SecretID"]
-        env["CONSUL_HTTP_TOKEN_FILE"] = str(_token_file(tmp_path, name, secret))
-        code, _, err = finish(consulrun("run", "--schedule", "*-01-01 00:00:00 UTC", f"turns-{name}", "--",
-                                        "true", env=env))
+        with FaultProxy(agent.http_addr) as proxy:
+            blocks = proxy.fail("GET", "/occurrence?index=", "forward", times=100)
+            env = {"CONSUL_HTTP_ADDR": proxy.address,
+                   "CONSUL_HTTP_TOKEN_FILE": str(_token_file(tmp_path, name, secret))}
+            code, _, err = finish(consulrun("run", "--schedule", "*-01-01 00:00:00 UTC", f"turns-{name}", "--",
+                                            "true", env=env))
         assert code == 0, err
         assert ("cannot see every member of the cluster" in err) == (name == "blind"), err
+        assert blocks.hits == [], blocks.hits  # no turn: no blocking read of the record

@@ -280,16 +280,23 @@ def test_dead_runner_under_skip_is_marked_abandoned_and_not_rerun(consul: Agent,
     assert history(consul, "abandon")[f"{year}-01-01T00:00:00Z"]["state"] == "abandoned"
 
 
-def _ranked(job: str, names: list[str], servers: tuple[str, ...] = ("node1",)) -> list[str]:
-    """`names` in turn order for this year's YEARLY occurrence of `job` (the cluster fixture's node1 is a server)."""
-    from consulrun import occurrence
+def _ranked(key: str, names: list[str], servers: tuple[str, ...] = ("node1",)) -> list[str]:
+    """`names` in turn order for `key` as a client sees it (the cluster fixture's node1 is a server)."""
+    from consulrun import turns
 
-    key = f"consulrun/{job}\n{datetime.now(timezone.utc).year}-01-01T00:00:00Z"
-    return occurrence.order(key, [(name, name in servers) for name in names])
+    return turns.order(key, [(name, name in servers) for name in names])
+
+
+def _yearly(job: str) -> str:
+    return f"consulrun/{job}\n{datetime.now(timezone.utc).year}-01-01T00:00:00Z"
 
 
 def test_turns_are_one_order_per_occurrence_spread_evenly_and_a_leaver_moves_only_its_share() -> None:
-    from consulrun.occurrence import order
+    from consulrun.turns import RANK_STEP_S, TURN_MAX_S, order, turn_at_most_s, wait_s
+
+    # README: steps of 2 s, at most 3 of them, at most a tenth of the time left before the next occurrence
+    assert (RANK_STEP_S, TURN_MAX_S, turn_at_most_s(None), turn_at_most_s(30), turn_at_most_s(-1)) == (2, 6, 6, 3, 0)
+    assert [wait_s(place, None) for place in range(5)] == [0, 2, 4, 6, 6] and wait_s(2, 25) == 2.5
 
     nodes = [(f"node{i}", False) for i in range(1, 4)]
     keys = [f"consulrun/job{j}\n2026-11-30T{h:02d}:00:00Z" for j in range(10) for h in range(10)]
@@ -300,75 +307,98 @@ def test_turns_are_one_order_per_occurrence_spread_evenly_and_a_leaver_moves_onl
     assert all(22 <= count <= 45 for count in share.values()), share  # 100 occurrences: a third each, give or take
     for key, winner in first.items():  # node3 leaves: who was first stays first; node3's share goes to the others
         assert order(key, nodes[:2])[0] == winner or winner == "node3", key
-    with_servers = [*nodes, ("server1", True), ("server2", True)]
-    assert all(order(key, with_servers)[3:] == order(key, with_servers[3:]) and
-               order(key, with_servers)[:3] == order(key, nodes) for key in keys)  # servers after every client
-    assert order("k", [("server1", True)]) == ["server1"]  # a cluster of servers: ranked among themselves
+    servers = [("server1", True), ("server2", True)]
+    for key in keys:  # each kind puts its own first, in the order it alone would have
+        assert order(key, nodes + servers) == order(key, nodes) + order(key, servers, server=True)
+        assert order(key, nodes + servers, server=True) == order(key, servers, server=True) + order(key, nodes)
 
 
 @pytest.mark.cluster
 def test_nodes_firing_together_leave_the_occurrence_to_the_first_ranked(cluster: Cluster, tmp_path: Path) -> None:
-    """The first-ranked node claims; the others wait on the record with no session and skip on its claim; a node
-    ranked first that does not run the job costs the next one step; a dead node drops out of the order."""
+    """The first-ranked client claims; the other waits on the record with no session and skips on its claim; a
+    node ranked first that does not run the job costs the next one step; a turn ends at a signal, and is at most a
+    tenth of the time left; a dead node drops out of the order."""
     env = {"CONSUL_HTTP_ADDR": "127.0.0.1:8500"}
     agents = {a.name: a for a in cluster.agents}
 
-    def start(node: str, job: str, log: Path) -> subprocess.Popen[bytes]:
+    def start(node: str, job: str, log: Path, *extra: str, schedule: str = YEARLY,
+              hook_env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
         """consulrun on `node`, its log in a file the test can read while it runs."""
-        cmd = [sys.executable, "-m", "consulrun", "run", "--schedule", YEARLY, "--skip-exit-code", str(SKIP), job,
-               "--", "sh", "-c", f"echo {node} >> {tmp_path / job}"]
+        cmd = [sys.executable, "-m", "consulrun", "run", "--schedule", schedule, "--skip-exit-code", str(SKIP),
+               *extra, job, "--", "sh", "-c", f"echo {node} >> {tmp_path / job}"]
         with log.open("w") as err:
             return subprocess.Popen(["ip", "netns", "exec", agents[node].netns, *cmd], stdout=subprocess.DEVNULL,
-                                    stderr=err, env={**os.environ, **env, "PYTHONPATH": str(REPO)})
+                                    stderr=err, env={**os.environ, **env, **(hook_env or {}), "PYTHONPATH": str(REPO)})
 
-    # Together: the two ranked after the first are waiting (no session anywhere) when the first starts.
-    first, second, third = _ranked("together", list(agents))
-    logs = {n: tmp_path / f"together-{n}.log" for n in agents}
-    waiting = [start(n, "together", logs[n]) for n in (second, third)]
-    for node in (second, third):
-        wait_for(lambda n=node: "leaving it to the nodes before it" in logs[n].read_text(), 30, f"{node} to wait")
+    # Together: the client ranked second is waiting (no session anywhere) when the first starts.
+    first, second, last = _ranked(_yearly("together"), list(agents))
+    assert last == "node1"  # a server, after the clients
+    logs = {n: tmp_path / f"together-{n}.log" for n in (first, second)}
+    waiting = start(second, "together", logs[second])
+    wait_for(lambda: "leaving it to the nodes before it" in logs[second].read_text(), 30, f"{second} to wait")
     assert cluster.server.get("session/list") == []
-    winner = start(first, "together", logs[first])
-    assert winner.wait(timeout=60) == 0, logs[first].read_text()
-    for proc, node in zip(waiting, (second, third)):
-        assert proc.wait(timeout=60) == SKIP, logs[node].read_text()
-        assert f"was claimed by {first}" in logs[node].read_text() and "lost the race" not in logs[node].read_text()
+    assert start(first, "together", logs[first]).wait(timeout=60) == 0, logs[first].read_text()
+    assert waiting.wait(timeout=60) == SKIP, logs[second].read_text()
+    assert f"was claimed by {first}" in logs[second].read_text() and "lost the race" not in logs[second].read_text()
     assert (tmp_path / "together").read_text().split() == [first]
     assert "ranked" not in logs[first].read_text()
 
     # A termination signal during the turn ends the run at once: 143, no session, nothing run.
-    third = _ranked("stopped", list(agents))[2]
+    hooks = tmp_path / "hooks"
+    hooks.mkdir()
+    second = _ranked(_yearly("stopped"), list(agents))[1]
     log = tmp_path / "stopped.log"
-    proc = start(third, "stopped", log)
-    wait_for(lambda: "leaving it to the nodes before it" in log.read_text(), 30, f"{third} to wait")
+    proc = start(second, "stopped", log, hook_env={"CONSULRUN_TEST_PAUSE": "turn", "CONSULRUN_TEST_HOOK_DIR": str(hooks)})
+    wait_for((hooks / "turn").exists, 30, f"{second} to take its turn")
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=10) == 143, log.read_text()
     assert cluster.server.get("session/list") == [] and not (tmp_path / "stopped").exists()
 
     # The first-ranked node does not run this job: the second claims after its step, alone.
-    first, second, _ = _ranked("elsewhere", list(agents))
+    first, second, _ = _ranked(_yearly("elsewhere"), list(agents))
     log = tmp_path / "elsewhere.log"
     assert start(second, "elsewhere", log).wait(timeout=60) == 0, log.read_text()
-    assert "ranked 2 of 3" in log.read_text()
+    assert "ranked 2 of 3" in log.read_text() and "for up to 2s" in log.read_text(), log.read_text()
     assert (tmp_path / "elsewhere").read_text().split() == [second]
 
-    # A dense schedule shortens the turn to a tenth of its interval: a run started late must not meet the next
-    # occurrence. node1, a server, goes after both clients; alone, it claims after 1 s, not 4.
-    dense = subprocess.run(["ip", "netns", "exec", agents["node1"].netns, sys.executable, "-m", "consulrun", "run",
-                            "--schedule", "*:*:0/10", "dense", "--", "true"], capture_output=True, text=True,
-                           env={**os.environ, **env, "PYTHONPATH": str(REPO)}, timeout=60)
-    assert dense.returncode == 0, dense.stderr
-    assert "ranked 3 of 3" in dense.stderr and "for up to 1s" in dense.stderr, dense.stderr
+    # A dense schedule: the turn is at most a tenth of the time left before the next occurrence (here under 1 s).
+    from consulrun import calendar
 
-    # A dead node drops out: a client ranked first is killed; the next node goes first, without waiting.
-    job = next(j for j in (f"dead{i}" for i in range(100)) if _ranked(j, list(agents))[0] != "node1")
-    dead, heir = _ranked(job, list(agents))[:2]
+    while time.time() % 10 > 6:  # the occurrence must not change between the order computed here and the run
+        time.sleep(0.2)
+    occurrence_id = calendar.occurrence_id(calendar.previous(["*:*:0/10"], datetime.now(timezone.utc)))
+    second = _ranked(f"consulrun/dense\n{occurrence_id}", list(agents))[1]
+    log = tmp_path / "dense.log"
+    assert start(second, "dense", log, schedule="*:*:0/10").wait(timeout=60) == 0, log.read_text()
+    said = re.search(r"ranked 2 of 3 for it; leaving it to the nodes before it for up to ([0-9.]+)s", log.read_text())
+    assert said and 0 < float(said.group(1)) <= 1, log.read_text()
+
+    # A dead node drops out: the client ranked first is killed; the other goes first, without waiting.
+    dead, heir = _ranked(_yearly("dead"), list(agents))[:2]
     agents[dead].kill()
     for name, agent in agents.items():
         if name != dead:
             wait_for(lambda a=agent: all(m["Status"] != 1 for m in a.get("agent/members") if m["Name"] == dead), 60,
                      f"{name} to see {dead} dead")
     log = tmp_path / "dead.log"
-    assert start(heir, job, log).wait(timeout=60) == 0, log.read_text()
+    assert start(heir, "dead", log).wait(timeout=60) == 0, log.read_text()
     assert "ranked" not in log.read_text()
-    assert (tmp_path / job).read_text().split() == [heir]
+    assert (tmp_path / "dead").read_text().split() == [heir]
+
+
+@pytest.mark.parametrize("members", ["answered", "refused"])
+def test_the_first_in_turn_and_a_node_that_cannot_list_the_members_claim_without_waiting(
+        consul: Agent, tmp_path: Path, members: str) -> None:
+    """One node (first in every order), or a member list Consul cannot give: the run claims at once, with no
+    blocking read of the record, and runs."""
+    from tests.harness.faultproxy import FaultProxy
+
+    ran = tmp_path / "ran"
+    with FaultProxy(consul.http_addr) as proxy:
+        listed = proxy.fail("GET", "/v1/agent/members", "refuse" if members == "refused" else "forward")
+        blocks = proxy.fail("GET", "/occurrence?index=", "forward", times=100)
+        code, _, err = finish(consulrun("run", "--schedule", YEARLY, f"first-{members}", "--", "touch", str(ran),
+                                        env={"CONSUL_HTTP_ADDR": proxy.address}))
+    assert code == 0 and ran.exists(), err
+    assert len(listed.hits) == 1 and blocks.hits == [], (listed.hits, blocks.hits)
+    assert "ranked" not in err and "cannot see every member" not in err, err
