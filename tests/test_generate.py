@@ -210,16 +210,17 @@ def test_retry_job_on_a_schedule_too_dense_for_a_takeover_is_warned_about(tmp_pa
 
     from consulrun.cli import main
 
-    def generate(schedule: str) -> str:
+    def generate(schedule: str, timer: str = "{}") -> str:
         path = tmp_path / "jobs.yaml"
         path.write_text(f"jobs:\n  dense:\n    command: ['true']\n    schedule: '{schedule}'\n    timeout: 25s\n"
-                        f"    on_holder_loss: retry\n    lock: {{ttl: 10s, lock_delay: 5s}}\n"
+                        f"    on_holder_loss: retry\n    lock: {{ttl: 10s, lock_delay: 5s}}\n    timer: {timer}\n"
                         f"  quiet:\n    command: ['true']\n    schedule: '*:0/1'\n    lock: {{ttl: 10s}}\n")
         result = CliRunner().invoke(main, ["generate", str(path), "-o", "-"])
         assert result.exit_code == 0, result.stderr
         return result.stderr
 
     assert generate("*:*:00") == ""
+    assert "can take 1m7s (timer accuracy + randomized delay 11s" in generate("*:*:00", "{randomized_delay: 10s}")  # the timer's own delay counts too
     warned = generate("*:*:0/30")
     assert warned.count("\n") == 1
     assert warned.startswith("warning: job dense: on_holder_loss: retry cannot promise at least once: occurrences "
