@@ -402,3 +402,20 @@ def test_the_first_in_turn_and_a_node_that_cannot_list_the_members_claim_without
     assert code == 0 and ran.exists(), err
     assert len(listed.hits) == 1 and blocks.hits == [], (listed.hits, blocks.hits)
     assert "ranked" not in err and "cannot see every member" not in err, err
+
+
+def test_a_new_occurrence_waits_for_the_previous_run_only_up_to_wait(consul: Agent, tmp_path: Path) -> None:
+    """The previous occurrence's run still holds the lock: the next occurrence waits `--wait` for it (occurrences
+    never overlap), then skips, saying who holds it. A mutant that read --wait in other units waited for ever."""
+    started, ran = tmp_path / "started", tmp_path / "ran"
+    holder = consulrun("run", "--schedule", YEARLY, "overlap", "--", "sh", "-c", f"touch {started}; sleep 60")
+    try:
+        wait_for(started.exists, 20, "the previous occurrence's run")
+        daily = consulrun("run", "--schedule", "*-*-* 00:00:00 UTC", "--wait", "2s", "--skip-exit-code", str(SKIP),
+                          "overlap", "--", "touch", str(ran))
+        code, _, err = finish(daily, timeout=30)
+        assert code == SKIP, err
+        assert "the previous run still holds the lock" in err and not ran.exists(), err
+    finally:
+        holder.send_signal(signal.SIGTERM)
+        finish(holder)
