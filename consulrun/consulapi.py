@@ -366,7 +366,7 @@ class Client:
             code, headers, text = self._call("GET", "/v1/agent/members")
             members = json.loads(text) if code != 404 else []
             return ([(m["Name"], (m.get("Tags") or {}).get("role") == "consul") for m in members
-                     if m.get("Status") == 1], headers.get("X-Consul-Results-Filtered-By-ACLs") == "true")
+                     if m.get("Status") == 1], _acl_filtered(headers))
 
     def check_kinds(self) -> dict[str, str]:
         """Check ID -> service ID ('' for node checks) of the local agent's checks."""
@@ -482,7 +482,7 @@ class Client:
                  wait_s: float | None = None) -> tuple[int, Any]:
         with self._translated(what):
             code, headers, text = self._call("GET", path, params, wait_s=wait_s)
-            if str(headers.get(ACL_FILTERED_HEADER, "")).lower() == "true":
+            if _acl_filtered(headers):
                 raise ConsulAnswer(403, f"the token cannot read all of it ({ACL_FILTERED_HEADER})")
             return int(headers.get("X-Consul-Index") or 0), (None if code == 404 else json.loads(text))
 
@@ -517,3 +517,8 @@ class Client:
 
 
 ACL_FILTERED_HEADER = "X-Consul-Results-Filtered-By-ACLs"
+
+
+def _acl_filtered(headers: http.client.HTTPMessage) -> bool:
+    """Consul's one sign that the token's ACLs left something out of a list it answered with 200."""
+    return str(headers.get(ACL_FILTERED_HEADER, "")).lower() == "true"

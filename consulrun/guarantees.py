@@ -2,9 +2,10 @@
 
 `on_holder_loss: retry` promises at least once per occurrence only if a dead
 run can be noticed and run again before the next occurrence replaces it:
-the occurrences must be more than the timer's accuracy and randomized delay + the
-nodes' turns (turns.py: 6 s, at most a tenth of the interval) + 2 x TTL (the longest a dead wrapper's session may live) + lock-delay + the
-job's run time (its timeout) apart.
+the occurrences must be more than the timer's accuracy and randomized delay +
+the nodes' turns (turns.py: 6 s, at most a tenth of the interval) + 2 x TTL
+(the longest a dead wrapper's session may live) + lock-delay + the job's run
+time (its timeout) apart.
 """
 
 from __future__ import annotations

@@ -220,7 +220,8 @@ def test_retry_job_on_a_schedule_too_dense_for_a_takeover_is_warned_about(tmp_pa
         return result.stderr
 
     assert generate("*:*:00") == ""
-    assert "can take 1m7s (timer accuracy + randomized delay 11s" in generate("*:*:00", "{randomized_delay: 10s}")  # the timer's own delay counts too
+    # The timer's own randomized delay counts too: 57s + 10s.
+    assert "can take 1m7s (timer accuracy + randomized delay 11s" in generate("*:*:00", "{randomized_delay: 10s}")
     warned = generate("*:*:0/30")
     assert warned.count("\n") == 1
     assert warned.startswith("warning: job dense: on_holder_loss: retry cannot promise at least once: occurrences "

@@ -5,11 +5,9 @@ from __future__ import annotations
 import base64
 import json
 import random
-import os
 import re
 import signal
 import subprocess
-import sys
 import threading
 import time
 from datetime import datetime, timezone
@@ -17,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, require_tool
+from tests.conftest import require_tool
 from tests.harness.agents import Agent, Cluster, wait_for
 from tests.test_run import SKIP, consulrun, finish, lock_entry
 
@@ -322,13 +320,12 @@ def test_nodes_firing_together_leave_the_occurrence_to_the_first_ranked(cluster:
     agents = {a.name: a for a in cluster.agents}
 
     def start(node: str, job: str, log: Path, *extra: str, schedule: str = YEARLY,
-              hook_env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+              hook_env: dict[str, str] | None = None) -> subprocess.Popen[str]:
         """consulrun on `node`, its log in a file the test can read while it runs."""
-        cmd = [sys.executable, "-m", "consulrun", "run", "--schedule", schedule, "--skip-exit-code", str(SKIP),
-               *extra, job, "--", "sh", "-c", f"echo {node} >> {tmp_path / job}"]
         with log.open("w") as err:
-            return subprocess.Popen(["ip", "netns", "exec", agents[node].netns, *cmd], stdout=subprocess.DEVNULL,
-                                    stderr=err, env={**os.environ, **env, **(hook_env or {}), "PYTHONPATH": str(REPO)})
+            return consulrun("run", "--schedule", schedule, "--skip-exit-code", str(SKIP), *extra, job, "--", "sh",
+                             "-c", f"echo {node} >> {tmp_path / job}", env={**env, **(hook_env or {})},
+                             netns=agents[node].netns, stdout=subprocess.DEVNULL, stderr=err)
 
     # Together: the client ranked second is waiting (no session anywhere) when the first starts.
     first, second, last = _ranked(_yearly("together"), list(agents))
@@ -348,7 +345,8 @@ def test_nodes_firing_together_leave_the_occurrence_to_the_first_ranked(cluster:
     hooks.mkdir()
     second = _ranked(_yearly("stopped"), list(agents))[1]
     log = tmp_path / "stopped.log"
-    proc = start(second, "stopped", log, hook_env={"CONSULRUN_TEST_PAUSE": "turn", "CONSULRUN_TEST_HOOK_DIR": str(hooks)})
+    proc = start(second, "stopped", log,
+                 hook_env={"CONSULRUN_TEST_PAUSE": "turn", "CONSULRUN_TEST_HOOK_DIR": str(hooks)})
     wait_for((hooks / "turn").exists, 30, f"{second} to take its turn")
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=10) == 143, log.read_text()

@@ -29,8 +29,8 @@ def consulrun(*args: str, env: dict[str, str] | None = None, netns: str | None =
         cmd = ["ip", "netns", "exec", netns, *cmd]
     full_env = {**os.environ, **(env or {})}
     full_env["PYTHONPATH"] = str(Path(__file__).resolve().parents[1])
-    return subprocess.Popen(cmd, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            **kwargs)  # type: ignore[call-overload]
+    kwargs = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, **kwargs}  # a test may send a stream elsewhere
+    return subprocess.Popen(cmd, env=full_env, text=True, **kwargs)  # type: ignore[call-overload]
 
 
 def finish(proc: subprocess.Popen[str], timeout: float = 60) -> tuple[int, str, str]:
