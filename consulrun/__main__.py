@@ -1,3 +1,3 @@
-from consulrun.cli import main
+from consulrun.entry import main
 
 main()

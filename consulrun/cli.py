@@ -6,13 +6,10 @@ from `consulrun.errors.ExitCode` and nowhere else.
 
 from __future__ import annotations
 
-import errno
 import logging
 import os
 import shutil
 import sys
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -20,19 +17,19 @@ import click
 
 from consulrun import __version__
 from consulrun.durations import LOCK_DELAY_RANGE_MS, TTL_RANGE_MS, range_text
-from consulrun.errors import BrokenPipe, ConsulrunError, ExitCode, OutputError, UsageError, os_reason
+from consulrun.errors import ConsulrunError, ExitCode, UsageError, os_reason, output_guard
 from consulrun.options import AbsolutePath, Duration, Folder, KvPrefix, consul_config, consul_options
-from consulrun.schema import name_problem, schedule_problem
+from consulrun.runcmd import WATCHDOG_JOB, setup_logging as _setup_logging, start
+from consulrun.schema import name_problem
 
 if TYPE_CHECKING:
     from consulrun.manifest import Manifest
-
-WATCHDOG_JOB = "_watchdog"  # consulrun.health.WATCHDOG_JOB, kept here so `run` imports nothing more
 
 
 def _job_problem(job: str) -> str | None:
     """Why `job` is not a job name, or None; the watchdog's own lock (`_watchdog`) is one to run, reap, unlock."""
     return None if job == WATCHDOG_JOB else name_problem(job)
+
 
 EXIT_CODES_HELP = """
 \b
@@ -68,38 +65,25 @@ def _default_consulrun_path() -> str:
     return os.path.abspath(found) if found else "/usr/local/bin/consulrun"
 
 
-# Errors writing standard output: a full disk (`> /dev/full`), a closed pipe (`| head -1`), a dead terminal.
-_OUTPUT_ERRNOS = {errno.EPIPE, errno.ENOSPC, errno.EIO, errno.EDQUOT, errno.EFBIG}
-
-
-@contextmanager
-def _output_guard() -> Iterator[None]:
-    """Turn a failed write to stdout into exit 74 with one line (none for a closed pipe), never a traceback."""
-    try:
-        yield
-    except OSError as exc:
-        if exc.errno not in _OUTPUT_ERRNOS:
-            raise
-        try:  # what is still buffered would fail again when Python flushes at exit
-            devnull = os.open(os.devnull, os.O_WRONLY)
-            os.dup2(devnull, sys.stdout.fileno())
-            os.close(devnull)
-        except (OSError, ValueError, AttributeError):
-            pass
-        if exc.errno == errno.EPIPE:
-            raise BrokenPipe() from None
-        raise OutputError(f"writing output failed: {os_reason(exc)}") from None
-
-
 class _Main(click.Group):
-    """The command group, guarding every output (`--help` included) against a full disk or a closed pipe."""
+    """The command group, guarding every output (`--help` included) against a full disk or a closed pipe,
+    and reporting consulrun's own errors (not click exceptions, so `run` can do without click) as click would."""
+
+    def main(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return super().main(*args, **kwargs)
+        except ConsulrunError as exc:
+            if not kwargs.get("standalone_mode", args[3] if len(args) > 3 else True):
+                raise
+            exc.show()
+            sys.exit(exc.exit_code)
 
     def make_context(self, *args: Any, **kwargs: Any) -> click.Context:
-        with _output_guard():
+        with output_guard():
             return super().make_context(*args, **kwargs)
 
     def invoke(self, ctx: click.Context) -> Any:
-        with _output_guard():
+        with output_guard():
             return super().invoke(ctx)
 
 
@@ -209,39 +193,9 @@ def run(job: str, command: tuple[str, ...], prefix: str, ttl: int, lock_delay: i
     every process of the job (also those that left its process group) is
     killed and the status is 75; the lock is never released while one lives.
     """
-    problem = _job_problem(job)
-    if problem:
-        raise UsageError(problem)
-    if schedules and concurrency != 1:
-        raise UsageError("--schedule runs each occurrence once; it cannot be combined with --concurrency")
-    for spec_text in schedules:
-        problem = schedule_problem(spec_text)
-        if problem:
-            raise UsageError(f"--schedule: {problem}")
-    if ping_url is not None:
-        from consulrun.notify import ping_url_problem
-
-        problem = ping_url_problem(ping_url)
-        if problem:
-            raise UsageError(f"--ping-url: {problem}")
-    if command and command[0] == "--":
-        command = command[1:]
-    elif command and command[0].startswith("-"):
-        # `run JOB --ttl 10s -- cmd` must not run `--ttl` as the job: options go before JOB.
-        raise UsageError(f"options go before JOB: {command[0]!r} follows {job!r}; "
-                         "write consulrun run [OPTIONS] JOB -- COMMAND [ARG]...")
-    if not command:
-        raise UsageError("no command given: consulrun run JOB -- COMMAND [ARG]...")
-    from consulrun.lock import LockSpec  # imported here: `generate` should not pay for the Consul client
-    from consulrun.runner import RunRequest, run as run_job
-
-    spec = LockSpec(job=job, prefix=prefix, ttl_ms=ttl, lock_delay_ms=lock_delay, checks=checks, wait_ms=wait,
-                    concurrency=concurrency)
-    _setup_logging()
-    request = RunRequest(spec=spec, command=command, skip_exit_code=skip_exit_code, schedules=schedules,
-                         on_holder_loss=on_holder_loss, history=history, ping_url=ping_url,
-                         health_check=health_check)
-    sys.exit(run_job(request, consul_config(consul)))
+    start(job, command, prefix=prefix, ttl=ttl, lock_delay=lock_delay, checks=checks, wait=wait,
+          concurrency=concurrency, skip_exit_code=skip_exit_code, schedules=schedules, on_holder_loss=on_holder_loss,
+          history=history, ping_url=ping_url, health_check=health_check, **consul)
 
 
 @main.command()
@@ -278,15 +232,6 @@ def _interruptible() -> None:
     import signal
 
     signal.signal(signal.SIGINT, signal.default_int_handler)
-
-
-def _setup_logging() -> None:
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter("consulrun: %(message)s"))
-    logger = logging.getLogger("consulrun")
-    logger.handlers[:] = [handler]
-    logger.setLevel(logging.INFO)
-    logger.propagate = False
 
 
 @main.command()

@@ -23,9 +23,12 @@ import urllib.parse
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from consulrun.errors import ConsulProtocolError, ConsulUnavailable, PermissionDenied, UsageError, os_reason
+
+if TYPE_CHECKING:
+    from consulrun.manifest import ConsulSettings
 
 
 class SessionInvalid(ConsulProtocolError):
@@ -522,3 +525,32 @@ ACL_FILTERED_HEADER = "X-Consul-Results-Filtered-By-ACLs"
 def _acl_filtered(headers: http.client.HTTPMessage) -> bool:
     """Consul's one sign that the token's ACLs left something out of a list it answered with 200."""
     return str(headers.get(ACL_FILTERED_HEADER, "")).lower() == "true"
+
+
+# The manifest's `consul:` keys and the variables the generated units set from them.
+MANIFEST_CONSUL_ENV = {"address": "CONSUL_HTTP_ADDR", "token_file": "CONSUL_HTTP_TOKEN_FILE", "ca_file": "CONSUL_CACERT",
+                       "cert_file": "CONSUL_CLIENT_CERT", "key_file": "CONSUL_CLIENT_KEY",
+                       "tls_server_name": "CONSUL_TLS_SERVER_NAME"}
+
+
+def manifest_consul_env(settings: "ConsulSettings | None") -> dict[str, str]:
+    """The CONSUL_* variables a manifest's `consul:` settings stand for, as the units get them."""
+    if settings is None:
+        return {}
+    return {var: str(getattr(settings, key)) for key, var in MANIFEST_CONSUL_ENV.items() if getattr(settings, key)}
+
+
+def consul_config(kwargs: dict[str, Any], manifest_consul: "ConsulSettings | None" = None) -> "ConsulConfig":
+    """Build the config from the options (which already fell back to the environment) and the rest of the env.
+
+    A manifest's `consul:` settings come below both: a command pointed at a
+    manifest reaches Consul as that manifest's units do, unless the operator's
+    environment or options say otherwise.
+    """
+    env = {**manifest_consul_env(manifest_consul), **{k: v for k, v in os.environ.items() if v}}
+    config = ConsulConfig.from_env(
+        env, address=kwargs.pop("http_addr"), token_file=kwargs.pop("token_file"), ca_file=kwargs.pop("ca_file"),
+        client_cert=kwargs.pop("client_cert"), client_key=kwargs.pop("client_key"),
+        tls_server_name=kwargs.pop("tls_server_name"))
+    config.endpoint(allow_unix=True)  # a bad address is a usage error now, before anything else happens
+    return config

@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import enum
 import errno
-
-import click
+import os
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import IO
 
 
 class ExitCode(enum.IntEnum):
@@ -25,10 +28,24 @@ class ExitCode(enum.IntEnum):
     JOB_NOT_STARTED = 127  # as a shell says: the job's command could not be executed
 
 
-class ConsulrunError(click.ClickException):
-    """Base of every error consulrun reports; click prints `Error: <message>`."""
+class ConsulrunError(Exception):
+    """Base of every error consulrun reports: `Error: <message>` on stderr, then exit with `exit_code`.
+
+    Not a click exception: `run` reports these without importing click (see
+    consulrun/runcmd.py), and the command group reports them the same way.
+    """
 
     exit_code = ExitCode.FAILURE
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+    def format_message(self) -> str:
+        return self.message
+
+    def show(self, file: IO[str] | None = None) -> None:
+        print(f"Error: {self.format_message()}", file=file or sys.stderr, flush=True)
 
 
 class UsageError(ConsulrunError):
@@ -45,9 +62,9 @@ class ManifestError(UsageError):
     def format_message(self) -> str:
         return "\n".join(self.problems)
 
-    def show(self, file=None) -> None:  # noqa: ANN001 - click's signature
+    def show(self, file: IO[str] | None = None) -> None:
         for line in self.problems:
-            click.echo(f"Error: {line}", err=True, file=file)
+            print(f"Error: {line}", file=file or sys.stderr, flush=True)
 
 
 class ConsulUnavailable(ConsulrunError):
@@ -72,7 +89,7 @@ class PermissionDenied(ConsulrunError):
 class OutputError(ConsulrunError):
     exit_code = ExitCode.IO
 
-    def show(self, file=None) -> None:  # noqa: ANN001 - click's signature
+    def show(self, file: IO[str] | None = None) -> None:
         try:
             super().show(file)
         except OSError:  # stderr is gone too (`2>&1 | head`): the exit status still says it
@@ -99,5 +116,28 @@ class BrokenPipe(OutputError):
     def __init__(self) -> None:
         super().__init__("broken pipe")
 
-    def show(self, file=None) -> None:  # noqa: ANN001 - click's signature
+    def show(self, file: IO[str] | None = None) -> None:
         pass
+
+
+# Errors writing standard output: a full disk (`> /dev/full`), a closed pipe (`| head -1`), a dead terminal.
+_OUTPUT_ERRNOS = {errno.EPIPE, errno.ENOSPC, errno.EIO, errno.EDQUOT, errno.EFBIG}
+
+
+@contextmanager
+def output_guard() -> Iterator[None]:
+    """Turn a failed write to stdout into exit 74 with one line (none for a closed pipe), never a traceback."""
+    try:
+        yield
+    except OSError as exc:
+        if exc.errno not in _OUTPUT_ERRNOS:
+            raise
+        try:  # what is still buffered would fail again when Python flushes at exit
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+            os.close(devnull)
+        except (OSError, ValueError, AttributeError):
+            pass
+        if exc.errno == errno.EPIPE:
+            raise BrokenPipe() from None
+        raise OutputError(f"writing output failed: {os_reason(exc)}") from None

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -11,7 +10,7 @@ import click
 
 from consulrun.durations import DURATION_MAX_MS, DurationError, format_duration, parse_duration, range_text
 from consulrun.errors import UsageError
-from consulrun.schema import SCHEMA
+from consulrun.schema import kv_prefix_problem
 
 if TYPE_CHECKING:
     from consulrun.consulapi import ConsulConfig
@@ -53,11 +52,10 @@ class KvPrefix(click.ParamType):
     name = "PREFIX"
 
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> str:
-        rule = SCHEMA["properties"]["kv_prefix"]
-        text = str(value)
-        if not re.fullmatch(rule["pattern"], text) or len(text) > rule["maxLength"]:
-            raise UsageError(f"{_option_name(param)}: {text!r} {rule['x-message']}")
-        return text
+        problem = kv_prefix_problem(str(value))
+        if problem:
+            raise UsageError(f"{_option_name(param)}: {problem}")
+        return str(value)
 
 
 class AbsolutePath(click.ParamType):
@@ -106,34 +104,8 @@ def consul_options(func: Callable[..., Any]) -> Callable[..., Any]:
     return func
 
 
-# The manifest's `consul:` keys and the variables the generated units set from them.
-MANIFEST_CONSUL_ENV = {"address": "CONSUL_HTTP_ADDR", "token_file": "CONSUL_HTTP_TOKEN_FILE", "ca_file": "CONSUL_CACERT",
-                       "cert_file": "CONSUL_CLIENT_CERT", "key_file": "CONSUL_CLIENT_KEY",
-                       "tls_server_name": "CONSUL_TLS_SERVER_NAME"}
-
-
-def manifest_consul_env(settings: "ConsulSettings | None") -> dict[str, str]:
-    """The CONSUL_* variables a manifest's `consul:` settings stand for, as the units get them."""
-    if settings is None:
-        return {}
-    return {var: str(getattr(settings, key)) for key, var in MANIFEST_CONSUL_ENV.items() if getattr(settings, key)}
-
-
 def consul_config(kwargs: dict[str, Any], manifest_consul: "ConsulSettings | None" = None) -> "ConsulConfig":
-    """Build the config from the options (which already fell back to the environment) and the rest of the env.
+    """consulrun.consulapi.consul_config, imported only by the commands that talk to Consul."""
+    from consulrun.consulapi import consul_config as build
 
-    A manifest's `consul:` settings come below both: a command pointed at a
-    manifest reaches Consul as that manifest's units do, unless the operator's
-    environment or options say otherwise.
-    """
-    import os
-
-    from consulrun.consulapi import ConsulConfig  # the Consul client is imported only by commands that use it
-
-    env = {**manifest_consul_env(manifest_consul), **{k: v for k, v in os.environ.items() if v}}
-    config = ConsulConfig.from_env(
-        env, address=kwargs.pop("http_addr"), token_file=kwargs.pop("token_file"), ca_file=kwargs.pop("ca_file"),
-        client_cert=kwargs.pop("client_cert"), client_key=kwargs.pop("client_key"),
-        tls_server_name=kwargs.pop("tls_server_name"))
-    config.endpoint(allow_unix=True)  # a bad address is a usage error now, before anything else happens
-    return config
+    return build(kwargs, manifest_consul)

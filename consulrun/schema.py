@@ -41,6 +41,14 @@ def name_problem(name: str) -> str | None:
     return None if re.fullmatch(rule["pattern"], name) else f"job name {name!r} {rule['x-message']}"
 
 
+def kv_prefix_problem(prefix: str) -> str | None:
+    """Why `prefix` cannot be a KV prefix (the manifest's `kv_prefix`, `--prefix`), or None if it can."""
+    rule = SCHEMA["properties"]["kv_prefix"]
+    if re.fullmatch(rule["pattern"], prefix) and len(prefix) <= rule["maxLength"]:
+        return None
+    return f"{prefix!r} {rule['x-message']}"
+
+
 @functools.lru_cache(maxsize=4096)  # pure; a big manifest repeats a few specs
 def schedule_problem(spec: str) -> str | None:
     """Why `spec` is not an `OnCalendar=` line systemd would take, or None.

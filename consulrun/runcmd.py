@@ -1,0 +1,199 @@
+"""`consulrun run`: its options read without click on the timer's hot path, and the one function that starts it.
+
+Every timer tick starts `consulrun run` on every node, and all but one skip:
+importing click costs a skipping run about a sixth of its CPU. So the entry
+point (consulrun/entry.py) hands `run`'s arguments to `read()` first, which
+takes only what it is sure click would take the same way: the long options
+below (`--opt VALUE` or `--opt=VALUE`), JOB, then the command. Anything else
+(`--help`, an unknown or misspelt option, a value it would have to second-guess)
+goes to click, which parses it again and reports any error. click's `run`
+stays the only definition of the command line: a test checks this table
+against its parameters, and another gives both readers the same arguments and
+wants the same values or a refusal from this one.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any, Callable, NoReturn
+
+from consulrun.durations import DURATION_MAX_MS, LOCK_DELAY_RANGE_MS, TTL_RANGE_MS, DurationError, parse_duration
+from consulrun.errors import ConsulrunError, UsageError, output_guard
+from consulrun.schema import kv_prefix_problem, name_problem, schedule_problem
+
+WATCHDOG_JOB = "_watchdog"  # consulrun.health.WATCHDOG_JOB, kept here so `run` imports nothing more
+
+
+class _Declined(Exception):
+    """An argument the lean reader leaves to click."""
+
+
+def _duration(bounds: tuple[int, int]) -> Callable[[str], int]:
+    def convert(text: str) -> int:
+        try:
+            ms = parse_duration(text)
+        except DurationError:
+            raise _Declined() from None
+        if not bounds[0] <= ms <= bounds[1]:
+            raise _Declined()
+        return ms
+    return convert
+
+
+def _count(low: int, high: int) -> Callable[[str], int]:
+    def convert(text: str) -> int:
+        if not (text.isascii() and text.isdigit()) or not low <= int(text) <= high:
+            raise _Declined()
+        return int(text)
+    return convert
+
+
+def _one_of(*choices: str) -> Callable[[str], str]:
+    def convert(text: str) -> str:
+        if text not in choices:
+            raise _Declined()
+        return text
+    return convert
+
+
+def _prefix(text: str) -> str:
+    if kv_prefix_problem(text):
+        raise _Declined()
+    return text
+
+
+def _text(text: str) -> str:
+    return text
+
+
+# option -> (parameter, conversion, default, repeatable, environment variable); a conversion of None is a flag.
+OPTIONS: dict[str, tuple[str, Callable[[str], Any] | None, Any, bool, str | None]] = {
+    "--prefix": ("prefix", _prefix, "consulrun", False, None),
+    "--ttl": ("ttl", _duration(TTL_RANGE_MS), "15s", False, None),
+    "--lock-delay": ("lock_delay", _duration(LOCK_DELAY_RANGE_MS), "15s", False, None),
+    "--check": ("checks", _text, (), True, None),
+    "--wait": ("wait", _duration((0, DURATION_MAX_MS)), "0s", False, None),
+    "--concurrency": ("concurrency", _count(1, 1000), "1", False, None),
+    "--skip-exit-code": ("skip_exit_code", _count(0, 255), "0", False, None),
+    "--schedule": ("schedules", _text, (), True, None),
+    "--on-holder-loss": ("on_holder_loss", _one_of("skip", "retry"), "skip", False, None),
+    "--history": ("history", _count(1, 1000), "20", False, None),
+    "--ping-url": ("ping_url", _text, None, False, None),
+    "--health-check": ("health_check", None, False, False, None),
+    "--http-addr": ("http_addr", _text, None, False, "CONSUL_HTTP_ADDR"),
+    "--token-file": ("token_file", _text, None, False, "CONSUL_HTTP_TOKEN_FILE"),
+    "--ca-file": ("ca_file", _text, None, False, "CONSUL_CACERT"),
+    "--client-cert": ("client_cert", _text, None, False, "CONSUL_CLIENT_CERT"),
+    "--client-key": ("client_key", _text, None, False, "CONSUL_CLIENT_KEY"),
+    "--tls-server-name": ("tls_server_name", _text, None, False, "CONSUL_TLS_SERVER_NAME"),
+}
+
+
+def read(args: list[str], environ: dict[str, str] | os._Environ[str]) -> dict[str, Any] | None:
+    """`run`'s parameters from ARGS (what follows `run`) as click's `run` would get them, or None: ask click."""
+    given: dict[str, Any] = {}
+    rest = list(args)
+    try:
+        while rest and rest[0].startswith("-"):
+            token = rest.pop(0)
+            name, has_value, value = token.partition("=")
+            if name not in OPTIONS:
+                return None  # `--help`, `--`, `-`, a short option, an unknown one: click's to read or refuse
+            param, convert, _, repeatable, _ = OPTIONS[name]
+            if convert is None:
+                if has_value:
+                    return None
+                given[param] = True
+                continue
+            if not has_value:
+                if not rest or rest[0].startswith("-"):
+                    return None  # a missing value, or one that looks like an option: let click say which
+                value = rest.pop(0)
+            if repeatable:
+                given[param] = (*given.get(param, ()), convert(value))
+            elif param in given:
+                return None  # given twice: click takes the last, but say nothing clever here
+            else:
+                given[param] = convert(value)
+        if len(rest) < 2:
+            return None  # no JOB, or no COMMAND: click's usage error
+        params: dict[str, Any] = {"job": rest[0], "command": tuple(rest[1:])}
+        for param, convert, default, repeatable, envvar in OPTIONS.values():
+            if param in given:
+                params[param] = given[param]
+            elif envvar and environ.get(envvar):
+                params[param] = environ[envvar]
+            else:
+                params[param] = default if convert is None or repeatable or default is None else convert(default)
+    except _Declined:
+        return None
+    return params
+
+
+def main(args: list[str]) -> None:
+    """Run `consulrun run ARGS` without click if `read` takes them; return (for click to do it) if not."""
+    params = read(args, os.environ)
+    if params is None:
+        return
+    try:
+        with output_guard():
+            start(**params)
+    except ConsulrunError as exc:
+        exc.show()
+        sys.exit(exc.exit_code)
+    except KeyboardInterrupt:  # as click reports it: Ctrl-C before the job's signal handling is in place
+        print("\nAborted!", file=sys.stderr)
+        sys.exit(1)
+
+
+def start(job: str, command: tuple[str, ...], prefix: str, ttl: int, lock_delay: int, checks: tuple[str, ...],
+          wait: int, concurrency: int, skip_exit_code: int, schedules: tuple[str, ...], on_holder_loss: str,
+          history: int, ping_url: str | None, health_check: bool, **consul: str | None) -> NoReturn:
+    """Check what the options cannot check alone, then run the job under its lock and exit with its status."""
+    problem = None if job == WATCHDOG_JOB else name_problem(job)  # the watchdog's own lock is one to run
+    if problem:
+        raise UsageError(problem)
+    if schedules and concurrency != 1:
+        raise UsageError("--schedule runs each occurrence once; it cannot be combined with --concurrency")
+    for spec_text in schedules:
+        problem = schedule_problem(spec_text)
+        if problem:
+            raise UsageError(f"--schedule: {problem}")
+    if ping_url is not None:
+        from consulrun.notify import ping_url_problem
+
+        problem = ping_url_problem(ping_url)
+        if problem:
+            raise UsageError(f"--ping-url: {problem}")
+    if command and command[0] == "--":
+        command = command[1:]
+    elif command and command[0].startswith("-"):
+        # `run JOB --ttl 10s -- cmd` must not run `--ttl` as the job: options go before JOB.
+        raise UsageError(f"options go before JOB: {command[0]!r} follows {job!r}; "
+                         "write consulrun run [OPTIONS] JOB -- COMMAND [ARG]...")
+    if not command:
+        raise UsageError("no command given: consulrun run JOB -- COMMAND [ARG]...")
+    from consulrun.consulapi import consul_config
+    from consulrun.lock import LockSpec
+    from consulrun.runner import RunRequest, run as run_job
+
+    spec = LockSpec(job=job, prefix=prefix, ttl_ms=ttl, lock_delay_ms=lock_delay, checks=checks, wait_ms=wait,
+                    concurrency=concurrency)
+    setup_logging()
+    request = RunRequest(spec=spec, command=command, skip_exit_code=skip_exit_code, schedules=schedules,
+                         on_holder_loss=on_holder_loss, history=history, ping_url=ping_url,
+                         health_check=health_check)
+    sys.exit(run_job(request, consul_config(consul)))
+
+
+def setup_logging() -> None:
+    """Log lines go to stderr as `consulrun: <message>` (the journal adds the rest)."""
+    import logging
+
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("consulrun: %(message)s"))
+    logger = logging.getLogger("consulrun")
+    logger.handlers[:] = [handler]
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
