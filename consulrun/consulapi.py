@@ -2,32 +2,34 @@
 
 Settings come from the same variables the `consul` CLI reads, with the same
 meaning; every failure becomes one of consulrun's errors, so callers never see
-a socket, TLS or HTTP exception. The transport is the standard library's
-`http.client`, one kept-alive connection per thread: every timer tick on every
-node starts `consulrun run`, and importing `requests` and py-consul cost more
-than the whole exchange with the agent (README, Dependencies).
+a socket, TLS or HTTP exception. The transport is `agenthttp`, one kept-alive
+connection per thread: every timer tick on every node starts `consulrun run`,
+and importing `requests` and py-consul, or even `http.client`, cost more than
+the whole exchange with the agent (README, Dependencies). `ssl` is imported
+only when the address is https.
 """
 
 from __future__ import annotations
 
 import base64
-import http.client
 import json
 import logging
 import os
 import select
-import socket
-import ssl
+import sys
 import threading
-import urllib.parse
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
 
+from consulrun import agenthttp
 from consulrun.errors import ConsulProtocolError, ConsulUnavailable, PermissionDenied, UsageError, os_reason
 
+TYPE_CHECKING = False  # typing's own flag without importing typing on every run
 if TYPE_CHECKING:
+    from typing import Any
+    import ssl
+
     from consulrun.manifest import ConsulSettings
 
 
@@ -178,11 +180,11 @@ def translated(what: str) -> Iterator[None]:
     """Turn transport and API failures into consulrun errors naming `what` was being done."""
     try:
         yield
-    except ssl.SSLError as exc:  # before OSError: a TLS failure is one
-        raise ConsulUnavailable(f"{what}: TLS failure talking to Consul: {_short(exc)}") from None
-    except TimeoutError:
-        raise ConsulUnavailable(f"{what}: Consul agent did not answer in time") from None
-    except (OSError, http.client.HTTPException) as exc:
+    except OSError as exc:
+        if _tls_failure(exc):
+            raise ConsulUnavailable(f"{what}: TLS failure talking to Consul: {_short(exc)}") from None
+        if isinstance(exc, TimeoutError):
+            raise ConsulUnavailable(f"{what}: Consul agent did not answer in time") from None
         raise ConsulUnavailable(f"{what}: Consul agent not reachable: {_reason(exc)}") from None
     except ConsulAnswer as exc:
         if exc.code == 403:
@@ -212,13 +214,17 @@ def _election(text: str) -> bool:
     return any(sign in text for sign in _ELECTION_SIGNS)
 
 
+def _tls_failure(exc: BaseException) -> bool:
+    """Whether `exc` is ssl's; ssl is imported only by an https client, so without it nothing can be."""
+    ssl = sys.modules.get("ssl")
+    return ssl is not None and isinstance(exc, ssl.SSLError)
+
+
 def _reason(exc: BaseException) -> str:
     """The cause of a connection failure in a few words ("connection refused"), not Python's `[Errno 111] ...`."""
     if isinstance(exc, OSError) and (exc.strerror or exc.errno):
         where = f"{exc.filename}: " if exc.filename else ""
         return where + os_reason(exc)
-    if isinstance(exc, http.client.RemoteDisconnected):
-        return "the agent closed the connection without an answer"
     return _short(exc) or type(exc).__name__
 
 
@@ -227,38 +233,10 @@ def _short(exc: BaseException) -> str:
     return text if len(text) < 300 else text[:297] + "..."
 
 
-class _UnixConnection(http.client.HTTPConnection):
-    """HTTP to the agent's unix socket (CONSUL_HTTP_ADDR=unix:///path); the host name is only the Host header."""
-
-    def __init__(self, socket_path: str, timeout: float) -> None:
-        super().__init__("localhost", timeout=timeout)
-        self.socket_path = socket_path
-
-    def connect(self) -> None:
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        sock.settimeout(self.timeout)
-        try:
-            sock.connect(self.socket_path)
-        except OSError as exc:
-            sock.close()
-            raise OSError(exc.errno, exc.strerror or str(exc), self.socket_path) from None
-        self.sock = sock
-
-
-class _TLSConnection(http.client.HTTPSConnection):
-    """HTTPS whose certificate is checked against CONSUL_TLS_SERVER_NAME when set, else the address's host."""
-
-    def __init__(self, host: str, port: int, timeout: float, context: ssl.SSLContext, server_name: str | None) -> None:
-        super().__init__(host, port, timeout=timeout, context=context)
-        self.server_name = server_name or host
-
-    def connect(self) -> None:
-        http.client.HTTPConnection.connect(self)
-        self.sock = self._context.wrap_socket(self.sock, server_hostname=self.server_name)
-
-
 def _tls_context(config: ConsulConfig) -> ssl.SSLContext:
     """The agent's certificate checked against CONSUL_CACERT (else the system's CAs), unless CONSUL_HTTP_SSL_VERIFY=false."""
+    import ssl
+
     try:
         context = ssl.create_default_context(cafile=config.ca_file if config.ssl_verify else None)
         if not config.ssl_verify:
@@ -273,7 +251,16 @@ def _tls_context(config: ConsulConfig) -> ssl.SSLContext:
     return context
 
 
-Response = tuple[int, http.client.HTTPMessage, str]
+Response = tuple[int, dict[str, str], str]  # headers with lower-case names
+
+
+_UNRESERVED = frozenset(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_.-~")
+
+
+def _quoted(text: str, safe: str = "") -> str:
+    """`text` percent-encoded as UTF-8 for a URL, as urllib.parse.quote does (whose import every run would pay)."""
+    keep = _UNRESERVED.union(safe.encode("ascii"))
+    return "".join(chr(b) if b in keep else f"%{b:02X}" for b in text.encode("utf-8"))
 
 
 def _blocking(index: int, wait_s: float | None) -> tuple[list[tuple[str, Any]], float]:
@@ -290,6 +277,7 @@ class Client:
         scheme, host, port = config.endpoint(allow_unix=True)
         self._config = config
         self._scheme, self._host, self._port = scheme, host.strip("[]"), port
+        self._host_header = f"{host}:{port}"  # an IPv6 host keeps its brackets here
         self._socket_path = config.socket_path
         self._timeout = timeout
         self._context: ssl.SSLContext | None = None
@@ -301,8 +289,8 @@ class Client:
     def _translated(self, what: str) -> Any:
         return translated(f"{what} via {self.address}")
 
-    def _connection(self, timeout: float) -> http.client.HTTPConnection:
-        conn: http.client.HTTPConnection | None = getattr(self._local, "conn", None)
+    def _connection(self, timeout: float) -> agenthttp.Connection:
+        conn: agenthttp.Connection | None = getattr(self._local, "conn", None)
         if conn is not None and conn.sock is not None:
             # The agent may have closed an idle connection; reading that now beats failing a write on it later.
             # poll(2), not select(2): a descriptor may be numbered 1024 or more.
@@ -314,13 +302,18 @@ class Client:
                 conn.sock.settimeout(timeout)
                 return conn
         if self._socket_path:
-            conn = _UnixConnection(self._socket_path, timeout)
-        elif self._scheme == "https":
-            if self._context is None:
-                self._context = _tls_context(self._config)
-            conn = _TLSConnection(self._host, self._port, timeout, self._context, self._config.tls_server_name)
+            conn = agenthttp.Connection(agenthttp.connect_unix(self._socket_path, timeout), "localhost")
         else:
-            conn = http.client.HTTPConnection(self._host, self._port, timeout=timeout)
+            if self._scheme == "https" and self._context is None:
+                self._context = _tls_context(self._config)
+            sock = agenthttp.connect_tcp(self._host, self._port, timeout)
+            try:
+                if self._context is not None:
+                    sock = self._context.wrap_socket(sock, server_hostname=self._config.tls_server_name or self._host)
+            except BaseException:
+                sock.close()
+                raise
+            conn = agenthttp.Connection(sock, self._host_header)
         self._local.conn = conn
         return conn
 
@@ -331,32 +324,30 @@ class Client:
         A blocking read (`wait_s`) may take its wait plus Consul's jitter of up
         to a sixteenth of it before answering; the timeout allows for that.
         """
-        url = urllib.parse.quote(path, safe="/:")
+        url = _quoted(path, "/:")
         if params:
-            url += "?" + urllib.parse.urlencode(params)
+            url += "?" + "&".join(f"{_quoted(str(k))}={_quoted(str(v))}" for k, v in params)
         headers = {"X-Consul-Token": self._token} if self._token else {}
         if isinstance(body, str):
-            body = body.encode("utf-8")  # http.client would send a str as Latin-1
+            body = body.encode("utf-8")
         timeout = self._timeout + (wait_s + wait_s / 16 if wait_s is not None else 0)
         conn = self._connection(timeout)
         try:
-            conn.request(method, url, body=body, headers=headers)
-            response = conn.getresponse()
-            text = response.read().decode("utf-8", "replace")
+            code, fields, content = conn.request(method, url, body, headers)
         except BaseException:
             conn.close()
             self._local.conn = None
             raise
-        code = response.status
+        text = content.decode("utf-8", "replace")
         if not (200 <= code < 300 or (code == 404 and allow_404)):
             raise ConsulAnswer(code, text)
-        return code, response.headers, text
+        return code, fields, text
 
     def _json(self, method: str, path: str, params: list[tuple[str, Any]] | None = None, body: str | None = None,
               **kwargs: Any) -> tuple[int, Any]:
         """(X-Consul-Index, the decoded JSON body; None for a 404)."""
         code, headers, text = self._call(method, path, params, body, **kwargs)
-        return int(headers.get("X-Consul-Index") or 0), (None if code == 404 else json.loads(text))
+        return int(headers.get("x-consul-index") or 0), (None if code == 404 else json.loads(text))
 
     def node_name(self) -> str:
         with self._translated("reading the local agent's node name"):
@@ -487,7 +478,7 @@ class Client:
             code, headers, text = self._call("GET", path, params, wait_s=wait_s)
             if _acl_filtered(headers):
                 raise ConsulAnswer(403, f"the token cannot read all of it ({ACL_FILTERED_HEADER})")
-            return int(headers.get("X-Consul-Index") or 0), (None if code == 404 else json.loads(text))
+            return int(headers.get("x-consul-index") or 0), (None if code == 404 else json.loads(text))
 
     def kv_tree(self, prefix: str, *, index: int | None = None, wait_s: float | None = None) -> tuple[int, list[dict[str, Any]]]:
         """Every entry under `prefix` (values decoded to text); PermissionDenied if ACLs hid any of them."""
@@ -522,9 +513,9 @@ class Client:
 ACL_FILTERED_HEADER = "X-Consul-Results-Filtered-By-ACLs"
 
 
-def _acl_filtered(headers: http.client.HTTPMessage) -> bool:
+def _acl_filtered(headers: dict[str, str]) -> bool:
     """Consul's one sign that the token's ACLs left something out of a list it answered with 200."""
-    return str(headers.get(ACL_FILTERED_HEADER, "")).lower() == "true"
+    return headers.get(ACL_FILTERED_HEADER.lower(), "").lower() == "true"
 
 
 # The manifest's `consul:` keys and the variables the generated units set from them.
