@@ -30,12 +30,15 @@ import json
 import logging
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any
 
 from consulrun import status as state
 from consulrun.consulapi import Client
 from consulrun.errors import ConsulProtocolError, PermissionDenied, UsageError
 from consulrun.pause import describe as describe_pause
+
+TYPE_CHECKING = False  # typing's own flag without importing typing on every run
+if TYPE_CHECKING:
+    from typing import Any
 
 log = logging.getLogger("consulrun")
 

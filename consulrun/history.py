@@ -13,11 +13,14 @@ writes nothing): they are derived from the pause episodes and the schedule
 from __future__ import annotations
 
 from datetime import datetime, timezone
-from typing import Any
 
 from consulrun import pause
 from consulrun.consulapi import Client, decoded
 from consulrun.status import NoState, parse_time, probe, seconds_between
+
+TYPE_CHECKING = False  # typing's own flag without importing typing on every run
+if TYPE_CHECKING:
+    from typing import Any
 
 FIELDS = ("occurrence", "attempt", "node", "started", "ended", "duration_s", "exit_status", "state", "takeover",
           "manual", "reason", "session", "paused")

@@ -20,13 +20,16 @@ import threading
 import time
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from typing import Any, Callable
 
 from consulrun import __version__, testhook
 from consulrun.procinfo import boot_id, pid_namespace, process_start, provably_dead, time_namespace
 from consulrun.consulapi import Client, SessionInvalid, decoded, kv_op
 from consulrun.errors import ConsulrunError, ConsulUnavailable, UsageError
 from consulrun.fencing import Fencing
+
+TYPE_CHECKING = False  # typing's own flag without importing typing on every run
+if TYPE_CHECKING:
+    from typing import Any, Callable
 
 log = logging.getLogger("consulrun")
 
@@ -61,8 +64,9 @@ class Held:
     results: list[dict[str, Any]] = field(default_factory=list)  # the acquiring transaction's results
 
 
-# Given the holder value about to be written, the operations to apply atomically with the acquisition.
-Claim = Callable[[dict[str, Any]], list[dict[str, Any]]]
+if TYPE_CHECKING:
+    # Given the holder value about to be written, the operations to apply atomically with the acquisition.
+    Claim = Callable[[dict[str, Any]], list[dict[str, Any]]]
 
 
 class Interrupted(BaseException):

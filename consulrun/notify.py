@@ -19,7 +19,10 @@ import socket
 import subprocess
 import threading
 import time
-from typing import Any
+
+TYPE_CHECKING = False  # typing's own flag without importing typing on every run
+if TYPE_CHECKING:
+    from typing import Any
 
 log = logging.getLogger("consulrun")
 

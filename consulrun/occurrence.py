@@ -28,13 +28,16 @@ import logging
 import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
-from typing import Any
 
 from consulrun import calendar, pause, testhook, turns
 from consulrun.consulapi import Client, decoded, kv_op
 from consulrun.errors import ConsulrunError, ConsulUnavailable, UsageError
 from consulrun.lock import Held, Locker, LockDelayRetry, clock, describe_holder, now_iso
 from consulrun.trigger import fresh as trigger_fresh
+
+TYPE_CHECKING = False  # typing's own flag without importing typing on every run
+if TYPE_CHECKING:
+    from typing import Any
 
 log = logging.getLogger("consulrun")
 

@@ -22,11 +22,14 @@ from __future__ import annotations
 import getpass
 import socket
 from datetime import datetime, timedelta, timezone
-from typing import Any
 
 from consulrun.consulapi import Client, decoded, kv_op
 from consulrun.errors import ConsulProtocolError
 from consulrun.timefmt import parse_time
+
+TYPE_CHECKING = False  # typing's own flag without importing typing on every run
+if TYPE_CHECKING:
+    from typing import Any
 
 EPISODES = "ended-pauses/"
 KEPT_EPISODES = 20

@@ -12,7 +12,10 @@ and it is not ours, its pid cannot be looked up here.
 from __future__ import annotations
 
 import os
-from typing import Any
+
+TYPE_CHECKING = False  # typing's own flag without importing typing on every run
+if TYPE_CHECKING:
+    from typing import Any
 
 BOOT_ID_PATH = "/proc/sys/kernel/random/boot_id"
 

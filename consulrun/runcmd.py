@@ -16,11 +16,14 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Any, Callable, NoReturn
 
 from consulrun.durations import DURATION_MAX_MS, LOCK_DELAY_RANGE_MS, TTL_RANGE_MS, DurationError, parse_duration
 from consulrun.errors import ConsulrunError, UsageError, output_guard
 from consulrun.schema import kv_prefix_problem, name_problem, schedule_problem
+
+TYPE_CHECKING = False  # typing's own flag without importing typing on every run
+if TYPE_CHECKING:
+    from typing import Any, Callable, NoReturn
 
 WATCHDOG_JOB = "_watchdog"  # consulrun.health.WATCHDOG_JOB, kept here so `run` imports nothing more
 

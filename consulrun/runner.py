@@ -23,14 +23,15 @@ import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from types import FrameType
-from typing import TYPE_CHECKING, Any, Callable
 
 from consulrun import testhook
 from consulrun.consulapi import Client, ConsulConfig
 from consulrun.errors import ConsulrunError, ConsulUnavailable, ExitCode, JobNotStarted, UsageError
 from consulrun.lock import Fencing, Held, Interrupted, Locker, LockSpec, Watcher, clock, now_iso as _now
 
+TYPE_CHECKING = False  # typing's own flag without importing typing on every run
 if TYPE_CHECKING:  # a skipping run imports none of these (issue: lean hot path)
+    from typing import Any, Callable
     from consulrun import occurrence
     from consulrun.child import Job
 

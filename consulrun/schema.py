@@ -6,7 +6,10 @@ import functools
 import json
 import re
 import os
-from typing import Any
+
+TYPE_CHECKING = False  # typing's own flag without importing typing on every run
+if TYPE_CHECKING:
+    from typing import Any
 
 with open(os.path.join(os.path.dirname(__file__), "manifest.schema.json"), encoding="utf-8") as _file:
     SCHEMA: dict[str, Any] = json.load(_file)  # a plain open: importlib.resources costs `run` more than the read
@@ -58,15 +61,20 @@ def schedule_problem(spec: str) -> str | None:
     """
     from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
-    from consulrun import calendar, cronfields
+    from consulrun import calendar
 
-    if cronfields.looks_like_cron(spec):
-        try:
-            specs = cronfields.to_oncalendar(spec)
-        except cronfields.CronError as exc:
-            return f"{spec!r} looks like cron syntax, which schedule: does not take, and cannot be converted: {exc}"
-        said = repr(specs[0]) if len(specs) == 1 else "the list [" + ", ".join(repr(s) for s in specs) + "]"
-        return f"{spec!r} is cron syntax; schedule: takes systemd OnCalendar= specs, and in that syntax it is {said}"
+    if len(spec.split()) == 5 or spec.strip().startswith("@"):  # all cron can be: five fields or an @macro
+        from consulrun import cronfields  # only then: a timer tick need not load the converter
+
+        if cronfields.looks_like_cron(spec):
+            try:
+                specs = cronfields.to_oncalendar(spec)
+            except cronfields.CronError as exc:
+                return (f"{spec!r} looks like cron syntax, which schedule: does not take, and cannot be converted: "
+                        f"{exc}")
+            said = repr(specs[0]) if len(specs) == 1 else "the list [" + ", ".join(repr(s) for s in specs) + "]"
+            return (f"{spec!r} is cron syntax; schedule: takes systemd OnCalendar= specs, and in that syntax it is "
+                    f"{said}")
     words = spec.split()
     if len(words) > 1 and re.fullmatch(r"[A-Za-z][A-Za-z0-9_+-]*(/[A-Za-z0-9_+-]+)+", words[-1]):
         try:

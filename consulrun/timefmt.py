@@ -6,7 +6,10 @@ JSON keeps absolute UTC; only tables use these.
 from __future__ import annotations
 
 from datetime import datetime, timezone
-from typing import Any
+
+TYPE_CHECKING = False  # typing's own flag without importing typing on every run
+if TYPE_CHECKING:
+    from typing import Any
 
 
 def parse_time(text: Any) -> datetime | None:

@@ -13,16 +13,19 @@ run; a job that is running already is reported, not run twice.
 from __future__ import annotations
 
 import signal
-import subprocess
 import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
-from typing import Any, Callable
 
 from consulrun.consulapi import Client, decoded, kv_op
 from consulrun.errors import ConsulrunError
 from consulrun.lock import describe_holder
 from consulrun.pause import describe, in_force, pause_key, value_of, who
+
+TYPE_CHECKING = False  # typing's own flag without importing typing on every run
+if TYPE_CHECKING:
+    import subprocess
+    from typing import Any, Callable
 
 
 class NotTriggered(ConsulrunError):
@@ -112,6 +115,8 @@ def trigger(client: Client, base: str, unit: str, *, wait_s: float,
 
 def systemctl_start(unit: str) -> subprocess.CompletedProcess[str]:
     """Start a oneshot unit and wait for it to finish (what `systemctl start` does for Type=oneshot)."""
+    import subprocess  # here: every scheduled run imports this module, only a trigger starts a unit
+
     try:
         return subprocess.run(["systemctl", "start", unit], capture_output=True, text=True)
     except OSError as exc:

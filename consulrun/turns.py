@@ -20,8 +20,6 @@ occurrence: a run started late must not run into it.
 
 from __future__ import annotations
 
-import hashlib
-
 RANK_STEP_S = 2.0
 RANK_STEPS_AT_MOST = 3
 TURN_MAX_S = RANK_STEP_S * RANK_STEPS_AT_MOST
@@ -35,6 +33,8 @@ def turn_at_most_s(interval_s: float | None) -> float:
 def order(key: str, members: list[tuple[str, bool]], server: bool = False) -> list[str]:
     """The turns for `key` among `members` ((name, is a server)), as a node of kind `server` sees them: its own
     kind first, each kind by rendezvous hash."""
+    import hashlib  # here: a run that finds its occurrence settled never ranks, and hashlib loads OpenSSL
+
     def score(name: str) -> bytes:
         return hashlib.blake2b(f"{key}\n{name}".encode(), digest_size=8).digest()
 
