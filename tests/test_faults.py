@@ -301,6 +301,33 @@ def test_fenced_run_is_recorded_lost_and_rerun_only_under_retry(consul: Agent, t
     assert sessions(consul) == []
 
 
+def test_a_fenced_run_finishing_after_a_takeover_leaves_the_new_runners_record_alone(consul: Agent,
+                                                                                      tmp_path: Path) -> None:
+    """The first runner loses its lock and is held just before it records its end; meanwhile another takes the
+    occurrence over and is running. The first runner's late finish must not write "lost" over that run."""
+    first_started, second_started = tmp_path / "first", tmp_path / "second"
+    common = ["run", "--lock-delay", "5s", "--schedule", YEARLY, "--on-holder-loss", "retry", "--wait", "30s",
+              "takenover"]
+    first = consulrun(*common, "--", "sh", "-c", f"touch {first_started}; exec sleep 300",
+                      env=hooks(tmp_path, "releasing"))
+    wait_for(first_started.exists, 20, "the first attempt")
+    consul.api("PUT", f"session/destroy/{lock_entry(consul, 'consulrun/takenover/lock')['Session']}")
+    at(tmp_path, "releasing")
+    second = consulrun(*common, "--", "sh", "-c", f"touch {second_started}; exec sleep 300")
+    wait_for(second_started.exists, 40, "the takeover")
+    taken = kv_json(consul, "consulrun/takenover/occurrence")
+    assert (taken["state"], taken["attempt"]) == ("running", 2), taken
+    go(tmp_path, "releasing")
+    code, _, err = finish(first)
+    assert code == 75, err
+    assert "was taken over meanwhile; this run's result is not recorded" in err, err
+    assert "released consulrun/takenover/lock" not in err, err  # the lock is the new runner's, not ours to free
+    assert kv_json(consul, "consulrun/takenover/occurrence") == taken
+    second.send_signal(signal.SIGTERM)
+    finish(second)
+    assert sessions(consul) == []
+
+
 # --- 6. No leaked sessions ---------------------------------------------------------------------------------------
 
 def test_every_skip_path_destroys_its_session(consul: Agent, tmp_path: Path) -> None:
@@ -723,20 +750,52 @@ def test_an_acquisition_refused_in_an_election_is_retried_not_taken_for_a_lost_r
     assert sessions(consul) == []
 
 
-def test_a_release_whose_answer_was_lost_is_known_to_have_gone_through(consul: Agent, tmp_path: Path) -> None:
+@pytest.mark.parametrize("schedule", [None, YEARLY], ids=["plain", "scheduled"])
+def test_a_release_whose_answer_was_lost_is_known_to_have_gone_through(consul: Agent, tmp_path: Path,
+                                                                        schedule: str | None) -> None:
     """The unlock was applied and its answer lost: the retry finds the key free with this run's result, says
-    released (it used to say the lock was no longer ours)."""
+    released (it used to say the lock was no longer ours). Under a schedule the retry finds the occurrence
+    recorded by this attempt with this exit status, and does not take it for a takeover."""
     from tests.harness.faultproxy import FaultProxy
 
+    args = ["--schedule", schedule] if schedule else []
     with FaultProxy(consul.http_addr) as proxy:
         lost = proxy.fail("PUT", '"Verb": "unlock"', "lose-answer")
-        code, _, err = finish(consulrun("run", "lostanswer", "--", "true", env={"CONSUL_HTTP_ADDR": proxy.address}))
-    assert code == 0, err
+        code, _, err = finish(consulrun("run", *args, "lostanswer", "--", "sh", "-c", "exit 3",
+                                        env={"CONSUL_HTTP_ADDR": proxy.address}))
+    assert code == 3, err
     assert len(lost.hits) == 1
     assert "released consulrun/lostanswer/lock" in err and "no longer ours" not in err, err
+    assert "taken over" not in err and "not recorded" not in err, err
     value = kv_json(consul, "consulrun/lostanswer/lock")
-    assert value["state"] == "free" and value["last"]["exit_status"] == 0
+    assert value["state"] == "free" and value["last"]["exit_status"] == 3
     assert "Session" not in lock_entry(consul, "consulrun/lostanswer/lock") and sessions(consul) == []
+    if schedule:
+        record = kv_json(consul, "consulrun/lostanswer/occurrence")
+        assert (record["state"], record["exit_status"]) == ("done", 3), record
+
+
+def test_a_fenced_runs_finish_whose_answer_was_lost_is_known_to_have_gone_through(consul: Agent, tmp_path: Path) -> None:
+    """Cut off from its confirming reads, the run is fenced and its result is "lost"; that finish is applied and
+    its answer lost: the retry finds the occurrence recorded "lost" by this attempt for this reason, and says
+    released, not taken over."""
+    from tests.harness.faultproxy import FaultProxy
+
+    started = tmp_path / "started"
+    with FaultProxy(consul.http_addr) as proxy:
+        lost = proxy.fail("PUT", '"Verb": "unlock"', "lose-answer")
+        proc = consulrun("run", "--lock-delay", "5s", "--ttl", "10s", "--schedule", YEARLY, "fencedfinish", "--",
+                         "sh", "-c", f"touch {started}; exec sleep 60", env={"CONSUL_HTTP_ADDR": proxy.address})
+        wait_for(started.exists, 30, "the job to start")
+        cut = proxy.fail("GET", "/v1/kv/consulrun/fencedfinish/lock", "refuse", times=10 ** 6)
+        code, _, err = finish(proc)
+    assert code == 75, err
+    assert cut.hits and len(lost.hits) == 1, err
+    record = kv_json(consul, "consulrun/fencedfinish/occurrence")
+    assert record["state"] == "lost" and record["reason"] in err, (record, err)
+    assert "released consulrun/fencedfinish/lock" in err, err
+    assert "taken over" not in err and "not recorded" not in err and "no longer ours" not in err, err
+    assert "Session" not in lock_entry(consul, "consulrun/fencedfinish/lock") and sessions(consul) == []
 
 
 def test_descriptors_numbered_past_1024_are_no_trouble(consul: Agent) -> None:

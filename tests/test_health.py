@@ -142,6 +142,23 @@ def test_an_unregistered_node_never_costs_the_result(catalog: Agent) -> None:
     assert catalog.get("session/list") == []
 
 
+def test_a_result_recorded_after_the_lock_was_lost_drops_a_refused_check_too(catalog: Agent, tmp_path: Path) -> None:
+    """The session ends while the job runs and nobody takes the occurrence over: the finish is written outside
+    the lock, and a check operation Consul refuses there (no external node yet) is dropped as it is under the
+    lock, never taken for a takeover that leaves the occurrence "running"."""
+    started = tmp_path / "started"
+    proc = consulrun("run", "--health-check", "--schedule", YEARLY, "cutoff", "--", "sh", "-c",
+                     f"touch {started}; exec sleep 60")
+    wait_for(started.exists, 30, "the job to start")
+    catalog.api("PUT", f"session/destroy/{lock_entry(catalog, 'consulrun/cutoff/lock')['Session']}")
+    code, _, err = finish(proc)
+    assert code == 75, err
+    assert "the lock was no longer ours when the job ended; the result is recorded (lost)" in err, err
+    assert "taken over meanwhile" not in err and "the job's Consul health check was not updated (" in err, err
+    assert catalog.get("kv/consulrun/cutoff/occurrence?raw")["state"] == "lost"
+    assert catalog.get("session/list") == []
+
+
 # --- The watchdog -------------------------------------------------------------------------------------------
 
 
