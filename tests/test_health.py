@@ -102,14 +102,20 @@ def test_run_results_set_the_check_in_the_finish_transaction(catalog: Agent, tmp
     assert {name: c["ModifyIndex"] for name, c in checks(catalog).items() if not name.startswith("plain")} == written
 
 
+def run_cut_off(agent: Agent, job: str, started: Path) -> tuple[int, str]:
+    """A scheduled `--health-check` run of `job` whose session is destroyed while the job runs: (status, stderr)."""
+    proc = consulrun("run", "--health-check", "--schedule", YEARLY, job, "--", "sh", "-c",
+                     f"touch {started}; exec sleep 60")
+    wait_for(started.exists, 20, "the job to start")
+    agent.api("PUT", f"session/destroy/{lock_entry(agent, f'consulrun/{job}/lock')['Session']}")
+    code, _, err = finish(proc)
+    return code, err
+
+
 def test_lost_and_stopped_runs_turn_the_check_critical(catalog: Agent, tmp_path: Path) -> None:
     register(catalog)
     started = tmp_path / "started"
-    holder = consulrun("run", "--health-check", "--schedule", YEARLY, "fenced", "--", "sh", "-c",
-                       f"touch {started}; sleep 60")
-    wait_for(started.exists, 20, "the job to start")
-    catalog.api("PUT", f"session/destroy/{lock_entry(catalog, 'consulrun/fenced/lock')['Session']}")
-    code, _, err = finish(holder)
+    code, err = run_cut_off(catalog, "fenced", started)
     assert code == 75, err
     check = checks(catalog)["fenced"]
     assert check["Status"] == "critical" and " on dev1 was lost: " in check["Output"], check
@@ -146,12 +152,7 @@ def test_a_result_recorded_after_the_lock_was_lost_drops_a_refused_check_too(cat
     """The session ends while the job runs and nobody takes the occurrence over: the finish is written outside
     the lock, and a check operation Consul refuses there (no external node yet) is dropped as it is under the
     lock, never taken for a takeover that leaves the occurrence "running"."""
-    started = tmp_path / "started"
-    proc = consulrun("run", "--health-check", "--schedule", YEARLY, "cutoff", "--", "sh", "-c",
-                     f"touch {started}; exec sleep 60")
-    wait_for(started.exists, 30, "the job to start")
-    catalog.api("PUT", f"session/destroy/{lock_entry(catalog, 'consulrun/cutoff/lock')['Session']}")
-    code, _, err = finish(proc)
+    code, err = run_cut_off(catalog, "cutoff", tmp_path / "started")
     assert code == 75, err
     assert "the lock was no longer ours when the job ended; the result is recorded (lost)" in err, err
     assert "taken over meanwhile" not in err and "the job's Consul health check was not updated (" in err, err
