@@ -299,7 +299,6 @@ class Client:
             if idle.poll(0):
                 conn.close()
             else:
-                conn.sock.settimeout(timeout)
                 return conn
         if self._socket_path:
             conn = agenthttp.Connection(agenthttp.connect_unix(self._socket_path, timeout), "localhost")
@@ -333,7 +332,7 @@ class Client:
         timeout = self._timeout + (wait_s + wait_s / 16 if wait_s is not None else 0)
         conn = self._connection(timeout)
         try:
-            code, fields, content = conn.request(method, url, body, headers)
+            code, fields, content = conn.request(method, url, body, headers, timeout)
         except BaseException:
             conn.close()
             self._local.conn = None

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import socket
 import threading
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -28,17 +29,17 @@ def test_short_and_chunked_answers_from_the_agent_and_one_connection_for_both(co
         consul.api("PUT", f"kv/big/k{n:03d}", data="v" * 40)
     conn = agenthttp.Connection(agenthttp.connect_tcp(host, int(port), 10), consul.http_addr)
     try:
-        status, fields, body = conn.request("GET", "/v1/kv/big/one", None, {})
+        status, fields, body = conn.request("GET", "/v1/kv/big/one", None, {}, 10)
         assert status == 200 and "content-length" in fields and "transfer-encoding" not in fields
         assert json.loads(body)[0]["Key"] == "big/one"
         first = conn.sock
-        status, fields, body = conn.request("GET", "/v1/kv/big/?recurse=1", None, {})
+        status, fields, body = conn.request("GET", "/v1/kv/big/?recurse=1", None, {}, 10)
         assert status == 200 and fields.get("transfer-encoding") == "chunked", fields
         assert len(json.loads(body)) == 61
-        status, fields, body = conn.request("PUT", "/v1/kv/big/put", b"written", {})
+        status, fields, body = conn.request("PUT", "/v1/kv/big/put", b"written", {}, 10)
         assert (status, body.strip()) == (200, b"true")
         assert conn.sock is first  # kept alive through all three
-        status, _, body = conn.request("GET", "/v1/kv/missing", None, {})
+        status, _, body = conn.request("GET", "/v1/kv/missing", None, {}, 10)
         assert status == 404 and body == b""
     finally:
         conn.close()
@@ -46,12 +47,16 @@ def test_short_and_chunked_answers_from_the_agent_and_one_connection_for_both(co
 
 
 class Scripted:
-    """A local server that answers each connection's first request with the bytes given, then closes."""
+    """A local server that answers the requests of each connection with the answers given, in turn, then closes.
 
-    def __init__(self, answer: bytes) -> None:
+    With `pace`, each answer is sent a byte at a time, `pace` seconds apart.
+    """
+
+    def __init__(self, *answers: bytes, pace: float = 0.0) -> None:
         self.server = socket.create_server(("127.0.0.1", 0))
         self.port = self.server.getsockname()[1]
-        self.answer = answer
+        self.answers = answers
+        self.pace = pace
         self.requests: list[bytes] = []
         self.thread = threading.Thread(target=self._serve, daemon=True)
         self.thread.start()
@@ -63,19 +68,31 @@ class Scripted:
             except OSError:
                 return
             with peer:
-                data = b""
-                while b"\r\n\r\n" not in data:
-                    chunk = peer.recv(65536)
-                    if not chunk:
-                        break
-                    data += chunk
-                head, _, rest = data.partition(b"\r\n\r\n")
-                length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
-                               if line.lower().startswith(b"content-length:")), 0)
-                while len(rest) < length:
-                    rest += peer.recv(65536)
-                self.requests.append(head + b"\r\n\r\n" + rest)
-                peer.sendall(self.answer)
+                try:
+                    self._converse(peer)
+                except OSError:
+                    pass
+
+    def _converse(self, peer: socket.socket) -> None:
+        data = b""
+        for answer in self.answers:
+            while b"\r\n\r\n" not in data:
+                chunk = peer.recv(65536)
+                if not chunk:
+                    return
+                data += chunk
+            head, _, data = data.partition(b"\r\n\r\n")
+            length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                           if line.lower().startswith(b"content-length:")), 0)
+            while len(data) < length:
+                data += peer.recv(65536)
+            self.requests.append(head + b"\r\n\r\n" + data[:length])
+            data = data[length:]
+            if not self.pace:
+                peer.sendall(answer)
+            for n in range(len(answer) if self.pace else 0):
+                peer.sendall(answer[n:n + 1])
+                time.sleep(self.pace)
 
     def close(self) -> None:
         self.server.close()
@@ -85,8 +102,8 @@ class Scripted:
 def scripted() -> Iterator[type[Scripted]]:
     made: list[Scripted] = []
 
-    def make(answer: bytes) -> Scripted:
-        made.append(Scripted(answer))
+    def make(*answers: bytes, **kwargs: float) -> Scripted:
+        made.append(Scripted(*answers, **kwargs))
         return made[-1]
 
     yield make  # type: ignore[misc]
@@ -94,10 +111,11 @@ def scripted() -> Iterator[type[Scripted]]:
         server.close()
 
 
-def ask(server: Scripted, method: str = "GET", body: bytes | None = None) -> tuple[int, dict[str, str], bytes]:
+def ask(server: Scripted, method: str = "GET", body: bytes | None = None, timeout: float = 10
+        ) -> tuple[int, dict[str, str], bytes]:
     conn = agenthttp.Connection(agenthttp.connect_tcp("127.0.0.1", server.port, 10), f"127.0.0.1:{server.port}")
     try:
-        return conn.request(method, "/v1/kv/a%20b?index=3", body, {"X-Consul-Token": "secret"})
+        return conn.request(method, "/v1/kv/a%20b?index=3", body, {"X-Consul-Token": "secret"}, timeout)
     finally:
         conn.close()
 
@@ -143,10 +161,41 @@ def test_each_way_an_answer_may_end(scripted, answer: bytes, body: bytes) -> Non
     (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nabcd\r\n", "does not end where its size says"),
     (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nab\r\n", "cut short in its chunks"),
     (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n", "cut short after its last chunk"),
+    (b"HTTP/1.1 2\xb20 OK\r\n\r\n", "not an HTTP answer"),  # digits beyond ASCII (str.isdigit takes them)
+    (b"HTTP/1.1 200 OK\r\nContent-Length: \xb2\r\n\r\n", "not a Content-Length"),
+    (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n0x2\r\nab\r\n0\r\n\r\n", "not a chunk size"),
+    (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n1_0\r\n", "not a chunk size"),
+    (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n" + b"f" * 17 + b"\r\n", "not a chunk size"),
+    # Sizes no memory holds end as an error, not a MemoryError or OverflowError from reading them.
+    (b"HTTP/1.1 200 OK\r\nContent-Length: 99999999999999\r\n\r\nab", "larger than 256 MiB"),
+    (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n7fffffffffffffff\r\n", "larger than 256 MiB"),
 ])
 def test_a_malformed_or_cut_short_answer_is_an_error_that_says_what(scripted, answer: bytes, said: str) -> None:
     with pytest.raises(ConnectionError, match=said):
         ask(scripted(answer))
+
+
+def test_bytes_after_an_answer_are_never_read_as_the_next_answer(scripted) -> None:
+    """The same answer twice in one segment: the second copy was unasked for, so the connection is dropped and
+    the next request, on a new connection, gets its own answer."""
+    first = b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nfirst"
+    server = scripted(first + first, b"HTTP/1.1 200 OK\r\nContent-Length: 6\r\n\r\nsecond")
+    conn = agenthttp.Connection(agenthttp.connect_tcp("127.0.0.1", server.port, 10), "here")
+    assert conn.request("GET", "/one", None, {}, 10)[2] == b"first"
+    assert conn.sock is None
+    stray = scripted(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n[]\r\n",
+                     b'HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n{}')
+    client = Client(ConsulConfig(address=f"127.0.0.1:{stray.port}"))
+    assert client.kv_get("a", recurse=True)[1] == []
+    assert client._local.conn.sock is None  # a stray line break after the body: not reused either
+    assert client.kv_get("b", recurse=True)[1] == []  # answered on a new connection, the first answer again
+
+
+def test_an_answer_trickled_a_byte_at_a_time_ends_at_the_timeout_not_after_it(scripted) -> None:
+    body = b"x" * 200
+    server = scripted(b"HTTP/1.1 200 OK\r\nContent-Length: 200\r\n\r\n" + body, pace=0.05)  # 12 s in all
+    with pytest.raises(TimeoutError):
+        ask(server, timeout=1)
 
 
 def test_the_client_reports_a_bad_answer_as_the_agent_unreachable_and_drops_the_connection(scripted) -> None:
