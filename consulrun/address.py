@@ -9,7 +9,8 @@ and brackets IPv6 literals so they can be put back into a URL.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+
+from consulrun.records import record
 
 _HOST_NAME = re.compile(r"[A-Za-z0-9_]([A-Za-z0-9_.-]{0,252})")
 _HOST_PORT = re.compile(r"(?P<host>\[[^\]]*\]|[^:/\[\]]*)(?::(?P<port>[^/]*))?/?")
@@ -20,7 +21,7 @@ class AddressError(ValueError):
     """The text is not an address Consul's CLI would take; the message says why."""
 
 
-@dataclass(frozen=True)
+@record
 class Endpoint:
     """Where an agent listens: a URL's scheme, host (IPv6 in brackets) and port, or a unix socket path."""
 

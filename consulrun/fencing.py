@@ -10,15 +10,14 @@ lock-delay of it, grace period included. The same numbers decide the units'
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from consulrun.durations import LOCK_DELAY_RANGE_MS
 from consulrun.errors import UsageError
+from consulrun.records import record
 
 SAFETY_MARGIN_S = 1.0  # slack for scheduling and process teardown beyond the grace period
 
 
-@dataclass(frozen=True)
+@record
 class Fencing:
     """Timings derived from lock-delay: how long a holder may go unconfirmed before killing its job.
 

@@ -18,7 +18,6 @@ import os
 import socket
 import threading
 import time
-from dataclasses import dataclass, field
 from datetime import datetime, timezone
 
 from consulrun import __version__, testhook
@@ -26,6 +25,7 @@ from consulrun.procinfo import boot_id, pid_namespace, process_start, provably_d
 from consulrun.consulapi import Client, SessionInvalid, decoded, kv_op
 from consulrun.errors import ConsulrunError, ConsulUnavailable, UsageError
 from consulrun.fencing import Fencing
+from consulrun.records import record
 
 TYPE_CHECKING = False  # typing's own flag without importing typing on every run
 if TYPE_CHECKING:
@@ -33,7 +33,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("consulrun")
 
-@dataclass(frozen=True)
+@record
 class LockSpec:
     job: str
     prefix: str = "consulrun"
@@ -53,7 +53,7 @@ class LockSpec:
         return [f"{self.base}/slots/{n}" for n in range(self.concurrency)]
 
 
-@dataclass
+@record
 class Held:
     key: str
     session: str
@@ -61,7 +61,7 @@ class Held:
     index: int
     value: dict[str, Any]
     confirmed_at: float  # clock() when the confirming read was sent
-    results: list[dict[str, Any]] = field(default_factory=list)  # the acquiring transaction's results
+    results: list[dict[str, Any]] | tuple[()] = ()  # the acquiring transaction's results
 
 
 if TYPE_CHECKING:

@@ -26,13 +26,13 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
 from datetime import datetime, timezone
 
 from consulrun import calendar, pause, testhook, turns
 from consulrun.consulapi import Client, decoded, kv_op
 from consulrun.errors import ConsulrunError, ConsulUnavailable, UsageError
 from consulrun.lock import Held, Locker, LockDelayRetry, clock, describe_holder, now_iso
+from consulrun.records import record
 from consulrun.trigger import fresh as trigger_fresh
 
 TYPE_CHECKING = False  # typing's own flag without importing typing on every run
@@ -44,7 +44,7 @@ log = logging.getLogger("consulrun")
 FAILED_STATES = ("lost", "abandoned")
 
 
-@dataclass(frozen=True)
+@record
 class Occurrence:
     when: datetime
     id: str
@@ -60,7 +60,7 @@ def current(specs: list[str], now: datetime) -> Occurrence | None:
                       specs=tuple(specs))
 
 
-@dataclass
+@record
 class Snapshot:
     """The record and the lock as one consistent view."""
 

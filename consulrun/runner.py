@@ -20,7 +20,6 @@ import select
 import shutil
 import signal
 import time
-from dataclasses import dataclass
 from datetime import datetime, timezone
 from types import FrameType
 
@@ -28,6 +27,7 @@ from consulrun import testhook
 from consulrun.consulapi import Client, ConsulConfig
 from consulrun.errors import ConsulrunError, ConsulUnavailable, ExitCode, JobNotStarted, UsageError
 from consulrun.lock import Fencing, Held, Interrupted, Locker, LockSpec, Watcher, clock, now_iso as _now
+from consulrun.records import record
 
 TYPE_CHECKING = False  # typing's own flag without importing typing on every run
 if TYPE_CHECKING:  # a skipping run imports none of these (issue: lean hot path)
@@ -41,7 +41,7 @@ FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 START_RETRY_S = 120.0  # how long a transient "no leader" / 5xx at start is retried before exit 69
 
 
-@dataclass(frozen=True)
+@record
 class RunRequest:
     spec: LockSpec
     command: tuple[str, ...]

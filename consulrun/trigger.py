@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import signal
 import time
-from dataclasses import dataclass
 from datetime import datetime, timezone
 
 from consulrun.consulapi import Client, decoded, kv_op
 from consulrun.errors import ConsulrunError
 from consulrun.lock import describe_holder
 from consulrun.pause import describe, in_force, pause_key, value_of, who
+from consulrun.records import record
 
 TYPE_CHECKING = False  # typing's own flag without importing typing on every run
 if TYPE_CHECKING:
@@ -32,7 +32,7 @@ class NotTriggered(ConsulrunError):
     """The job is running, or another trigger is pending: nothing was started."""
 
 
-@dataclass
+@record
 class Outcome:
     record: dict[str, Any] | None  # the manual run's history entry, if it ran
     unit_status: int  # what `systemctl start` returned

@@ -128,3 +128,37 @@ def test_a_run_started_as_units_start_it_does_not_import_click_and_runs_as_click
     shape = [re.sub(r"session \S+|token \d+|lean", "X", line) for line in said]
     assert shape == [re.sub(r"session \S+|token \d+|viaclick", "X", line) for line in err.splitlines()], (said, err)
     assert lock_entry(consul, "consulrun/lean/lock") is not None and lock_entry(consul, "consulrun/viaclick/lock")
+
+
+# What a skipping run must not load: each was once on its path and cost every timer tick of every node
+# (bench/RESULTS.md has the figures): the command-line library, http.client with the email package, ssl without
+# TLS, typing, dataclasses with inspect, hashlib (OpenSSL) without turns to rank, subprocess without a job, the
+# cron converter for an OnCalendar= spec.
+NOT_ON_THE_SKIP_PATH = {"click", "http.client", "email", "ssl", "typing", "dataclasses", "inspect", "hashlib",
+                        "subprocess", "consulrun.cronfields", "urllib.parse"}
+
+
+@pytest.mark.consul
+def test_a_skipping_run_loads_none_of_what_it_does_not_use(consul: Agent, tmp_path: Path) -> None:
+    from tests.harness.agents import wait_for
+    from tests.test_run import consulrun, finish
+
+    started = tmp_path / "started"
+    holder = consulrun("run", "heldjob", "--", "sh", "-c", f"touch {started}; exec sleep 60")
+    try:
+        wait_for(started.exists, 30, "the holder's job")
+        assert finish(consulrun("run", "--schedule", "*-01-01 00:00:00 UTC", "donejob", "--", "true"))[0] == 0
+        for args, said in ((["heldjob"], "skipped: held by"),
+                           (["--schedule", "*-01-01 00:00:00 UTC", "donejob"], "already ran")):
+            skip = subprocess.run([sys.executable, "-X", "importtime", "-m", "consulrun", "run", *args, "--", "true"],
+                                  env={**os.environ, "CONSUL_HTTP_ADDR": consul.http_addr}, capture_output=True,
+                                  text=True, timeout=60)
+            assert skip.returncode == 0 and said in skip.stderr, skip.stderr[-2000:]
+            imported = {line.split("|")[-1].strip() for line in skip.stderr.splitlines()
+                        if line.startswith("import time:")}
+            assert {"consulrun.lock", "consulrun.runner"} <= imported, sorted(imported)
+            assert not {m for m in imported if m.split(".")[0] in NOT_ON_THE_SKIP_PATH or m in NOT_ON_THE_SKIP_PATH}, \
+                sorted(imported)
+    finally:
+        holder.terminate()
+        finish(holder)
