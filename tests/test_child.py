@@ -51,3 +51,24 @@ def test_a_process_without_children_has_none() -> None:
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
                             cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert (result.returncode, result.stdout, result.stderr) == (0, "False\n", "")
+
+
+def test_a_job_that_proc_does_not_show_is_alive_while_the_kernel_still_has_it_as_a_child() -> None:
+    """hidepid=2 hides a non-dumpable process even from its own user: when /proc shows none of the job,
+    `alive` asks the kernel whether the wrapper still has a child, and says yes until the last one is gone.
+    In a fresh interpreter, so the job is the wrapper's only child (as under `consulrun run`)."""
+    probe = "\n".join([
+        "import os, signal, sys, time",
+        "from consulrun import child",
+        "job = child.Job(['sleep', '60'], dict(os.environ))",
+        "child.descendants = lambda exclude=frozenset(): []  # what /proc shows under hidepid=2: nothing",
+        "assert job.processes() == []",
+        "print('alive while hidden:', job.alive())",
+        "os.kill(job.pgid, signal.SIGKILL)",
+        "deadline = time.monotonic() + 30",
+        "while job.alive() and time.monotonic() < deadline:",
+        "    time.sleep(0.01)",
+        "print('alive once gone:', job.alive(), job.poll())",
+    ])
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
+    assert done.stdout.splitlines() == ["alive while hidden: True", "alive once gone: False 137"], done.stderr

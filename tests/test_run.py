@@ -149,10 +149,11 @@ def test_session_destroyed_kills_whole_group(consul: Agent, tmp_path: Path) -> N
 
 
 def test_a_lost_lock_gives_the_job_sigterm_and_its_grace_before_sigkill(consul: Agent, tmp_path: Path) -> None:
-    """Fenced with time left (the watcher saw the loss at once): SIGTERM first, and the grace to act on it."""
+    """Fenced with time left (the watcher saw the loss at once): SIGTERM first, and the grace to act on it (5 s
+    at this lock-delay; the job's cleanup takes 2 s of it, so a SIGKILL sent before the grace is over stops it)."""
     started, termed = tmp_path / "started", tmp_path / "termed"
     holder = consulrun("run", "--lock-delay", "15s", "graceful", "--", "sh", "-c",
-                       f"trap 'touch {termed}; exit 0' TERM; touch {started}; while :; do sleep 0.1; done")
+                       f"trap 'sleep 2; touch {termed}; exit 0' TERM; touch {started}; while :; do sleep 0.1; done")
     wait_for(started.exists, 20, "the job")
     consul.api("PUT", f"session/destroy/{lock_entry(consul, 'consulrun/graceful/lock')['Session']}")
     code, _, err = finish(holder, timeout=30)
