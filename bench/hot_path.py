@@ -63,9 +63,11 @@ def main() -> None:
     before: list[str] = []
     if args.before:
         subprocess.run([sys.executable, "-m", "compileall", "-q", str(args.before / "consulrun")], check=True)
-        # What its `consulrun` script would run, with the earlier tree first on the path.
+        # What its `consulrun` script would run, with the earlier tree first on the path: its entry point
+        # (consulrun.entry since run is read without click), else click's command.
+        entry = "entry" if (args.before / "consulrun" / "entry.py").exists() else "cli"
         before = ["env", f"PYTHONPATH={args.before}", sys.executable, "-P", "-c",  # -P: not the cwd first
-                  "import sys; from consulrun.cli import main; sys.exit(main())"]
+                  f"import sys; from consulrun.{entry} import main; sys.exit(main())"]
         tools.append("consulrun before")
     cases = {
         "loser": ([script, "run", "held", "--", "true"], [binary, "lock", "-timeout=10ms", "held-lock", "true"],

@@ -9,6 +9,7 @@ ranges, calendar syntax and whether a value can be written to a unit file.
 from __future__ import annotations
 
 import difflib
+import gc
 import re
 import shlex
 from dataclasses import dataclass
@@ -393,16 +394,29 @@ def _build(source: str, data: dict[str, Any], problems: _Problems) -> Manifest:
 
 
 def parse_manifest(text: str, source: str) -> Manifest:
-    """Validate manifest text; every problem found is raised together as one `ManifestError`."""
+    """Validate manifest text; every problem found is raised together as one `ManifestError`.
+
+    Python's cyclic garbage collector is paused meanwhile: a big manifest
+    makes millions of objects and no reference cycles worth collecting, and
+    the collector's passes over them were a third of parsing and validating
+    10,000 jobs (bench/RESULTS.md). Whatever cycles there are wait for the
+    next pass after this.
+    """
+    collecting = gc.isenabled()
+    gc.disable()
     try:
-        located = load(text)
-    except yaml.MarkedYAMLError as exc:
-        mark = exc.problem_mark or exc.context_mark
-        where = f"{source}:{mark.line + 1}:{mark.column + 1}" if mark else source
-        raise ManifestError([f"{where}: YAML syntax error: {exc.problem or exc}"]) from None
-    except yaml.YAMLError as exc:
-        raise ManifestError([f"{source}: YAML error: {exc}"]) from None
-    return validate(located, source)
+        try:
+            located = load(text)
+        except yaml.MarkedYAMLError as exc:
+            mark = exc.problem_mark or exc.context_mark
+            where = f"{source}:{mark.line + 1}:{mark.column + 1}" if mark else source
+            raise ManifestError([f"{where}: YAML syntax error: {exc.problem or exc}"]) from None
+        except yaml.YAMLError as exc:
+            raise ManifestError([f"{source}: YAML error: {exc}"]) from None
+        return validate(located, source)
+    finally:
+        if collecting:
+            gc.enable()
 
 
 def validate(located: Located, source: str) -> Manifest:
