@@ -37,6 +37,33 @@ def test_trigger_while_the_job_runs_says_so_and_starts_nothing(consul: Agent, tm
         finish(holder)
 
 
+def test_a_trigger_beside_a_done_occurrence_is_run_once_as_manual_by_the_run_it_starts(consul: Agent,
+                                                                                       tmp_path: Path) -> None:
+    """The run side of a trigger on the dev agent (the unit started by calling what its ExecStart= runs): the
+    request is taken by that one run although the occurrence is done, consumed, and recorded as manual; the next
+    run is the scheduled one again, already done."""
+    from consulrun.consulapi import Client, ConsulConfig
+    from consulrun.trigger import trigger
+
+    ran = tmp_path / "ran"
+    run = ["run", "--schedule", "*-01-01 00:00:00 UTC", "manualjob", "--", "sh", "-c", f"echo x >> {ran}"]
+    assert finish(consulrun(*run))[0] == 0  # the occurrence, done
+
+    def start_unit(unit: str) -> subprocess.CompletedProcess[str]:
+        code, out, err = finish(consulrun(*run))
+        return subprocess.CompletedProcess([unit], code, out, err)
+
+    client = Client(ConsulConfig.from_env({}, address=consul.http_addr))
+    outcome = trigger(client, "consulrun/manualjob", "consulrun-manualjob.service", wait_s=0, start_unit=start_unit)
+    assert outcome.unit_status == 0, outcome.unit_output
+    assert outcome.record and outcome.record["manual"] and outcome.record["state"] == "done", outcome
+    assert ran.read_text() == "x\nx\n"
+    assert requests_get(consul, "kv/consulrun/manualjob/trigger") == 404  # consumed
+    code, _, err = finish(consulrun(*run))
+    assert code == 0 and "already ran" in err, err
+    assert ran.read_text() == "x\nx\n"
+
+
 def requests_get(agent: Agent, path: str) -> int:
     import requests
 
