@@ -43,6 +43,7 @@ def test_a_trigger_beside_a_done_occurrence_is_run_once_as_manual_by_the_run_it_
     request is taken by that one run although the occurrence is done, consumed, and recorded as manual; the next
     run is the scheduled one again, already done."""
     from consulrun.consulapi import Client, ConsulConfig
+    from consulrun.pause import who
     from consulrun.trigger import trigger
 
     ran = tmp_path / "ran"
@@ -57,6 +58,12 @@ def test_a_trigger_beside_a_done_occurrence_is_run_once_as_manual_by_the_run_it_
     outcome = trigger(client, "consulrun/manualjob", "consulrun-manualjob.service", wait_s=0, start_unit=start_unit)
     assert outcome.unit_status == 0, outcome.unit_output
     assert outcome.record and outcome.record["manual"] and outcome.record["state"] == "done", outcome
+    entry = outcome.record  # the manual run's history entry: who asked, when, and the run that took it
+    assert entry["requested_by"] == who() and entry["requested_at"].endswith("Z"), entry
+    datetime.fromisoformat(entry["requested_at"].replace("Z", "+00:00"))
+    assert entry["node"] == "dev1" and len(entry["session"]) == 36 and entry["started"].endswith("Z"), entry
+    keys = consul.get("kv/consulrun/manualjob/history/?keys")
+    assert f"consulrun/manualjob/history/{entry['started']}~manual" in keys, keys
     assert ran.read_text() == "x\nx\n"
     assert requests_get(consul, "kv/consulrun/manualjob/trigger") == 404  # consumed
     code, _, err = finish(consulrun(*run))
