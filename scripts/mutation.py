@@ -280,7 +280,10 @@ def save_results(path: Path, mine: dict) -> None:
 
 def run_group(name: str, group: dict, deadline: float, again: bool = False) -> None:
     home = WORK / name  # results.json and the coverage map, shared by the shards
-    copy_checkout(home)
+    home.mkdir(parents=True, exist_ok=True)
+    with open(home / "copy.lock", "w") as lock:  # shards starting together must not untar over each other
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        copy_checkout(home)
     k, n = shard()
     work = home if n == 1 else WORK / f"{name}-shard{k}of{n}"  # each shard mutates its own copy
     if work != home:
