@@ -278,6 +278,50 @@ def test_dead_runner_under_skip_is_marked_abandoned_and_not_rerun(consul: Agent,
     assert history(consul, "abandon")[f"{year}-01-01T00:00:00Z"]["state"] == "abandoned"
 
 
+def test_a_claim_closes_a_dead_earlier_occurrence_in_the_history_and_records_its_schedule_and_zone(
+        consul: Agent, tmp_path: Path) -> None:
+    """A record left `running` by a runner that died in last year's occurrence: this year's claim writes last year's
+    history entry as abandoned (no gap in the history), and its own record names the schedule and the zone."""
+    from consulrun import calendar
+    from consulrun.occurrence import ABANDONED_REASON
+
+    year = datetime.now(timezone.utc).year
+    last, this = f"{year - 1}-01-01T00:00:00Z", f"{year}-01-01T00:00:00Z"
+    dead = {"occurrence": last, "state": "running", "node": "gone", "session": "5b8f2f83-0000-4000-8000-000000000000",
+            "started": f"{year - 1}-01-01T00:00:01Z", "takeover": False, "attempt": 1, "earlier": []}
+    assert consul.api("PUT", "kv/consulrun/gap/occurrence", data=json.dumps(dead)).json() is True
+    assert consul.get("kv/consulrun/gap/", params={"keys": "true"}) == ["consulrun/gap/occurrence"]  # no history yet
+    ran = tmp_path / "ran"
+    code, _, err = finish(consulrun("run", "--schedule", YEARLY, "gap", "--", "touch", str(ran)))
+    assert code == 0 and ran.exists(), err
+    closed = history(consul, "gap")[last]
+    assert {k: v for k, v in closed.items() if k not in ("state", "reason", "ended")} == {k: v for k, v in dead.items() if k != "state"}
+    assert (closed["state"], closed["reason"]) == ("abandoned", ABANDONED_REASON) and closed["ended"].startswith(str(year))
+    record = kv_json(consul, "consulrun/gap/occurrence")
+    assert (record["occurrence"], record["state"], record["attempt"], record["earlier"]) == (this, "done", 1, [])
+    assert record["schedule"] == [YEARLY] and record["zone"] == calendar.local_zone_name()
+    assert record["zone_offsets"] == calendar.zone_offsets(datetime(year, 1, 1, tzinfo=timezone.utc))
+
+
+def test_a_second_takeover_keeps_every_earlier_attempt(consul: Agent, tmp_path: Path) -> None:
+    """retry: an occurrence already taken over once and then lost is taken over again as attempt 3, its record
+    keeping both earlier attempts in order (the lost one as it was recorded, with its own reason)."""
+    year = datetime.now(timezone.utc).year
+    this = f"{year}-01-01T00:00:00Z"
+    first = {"occurrence": this, "state": "abandoned", "node": "n1", "session": "s1", "attempt": 1, "earlier": [],
+             "reason": "its runner's session ended", "ended": f"{year}-01-01T00:00:09Z"}
+    second = {"occurrence": this, "state": "lost", "node": "n2", "session": "s2", "takeover": True, "attempt": 2,
+              "earlier": [first], "reason": "fenced: the lock was lost", "ended": f"{year}-01-01T00:01:00Z"}
+    assert consul.api("PUT", "kv/consulrun/again/occurrence", data=json.dumps(second)).json() is True
+    ran = tmp_path / "ran"
+    code, _, err = finish(consulrun("run", "--schedule", YEARLY, "--on-holder-loss", "retry", "again", "--",
+                                    "touch", str(ran)))
+    assert code == 0 and ran.exists(), err
+    record = kv_json(consul, "consulrun/again/occurrence")
+    assert (record["state"], record["takeover"], record["attempt"]) == ("done", True, 3), record
+    assert record["earlier"] == [first, second]
+
+
 def _ranked(key: str, names: list[str], servers: tuple[str, ...] = ("node1",)) -> list[str]:
     """`names` in turn order for `key` as a client sees it (the cluster fixture's node1 is a server)."""
     from consulrun import turns
