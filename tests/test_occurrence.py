@@ -246,6 +246,25 @@ def test_history_keeps_the_newest_n(consul: Agent) -> None:
     assert record["occurrence"] == kept[-1]
 
 
+def test_history_prunes_occurrences_and_manual_runs_apart_at_most_50_deletes_a_run(consul: Agent) -> None:
+    """--history N keeps the newest N occurrences and, counted apart, the newest N manual runs; one run deletes at
+    most 50 entries (its transaction must stay under Consul's 64 operations), the next run goes on."""
+    old = [f"2000-01-01T{n // 60:02d}:{n % 60:02d}:00Z" for n in range(60)]
+    manual = [f"2000-01-01T00:{n:02d}:30Z~manual" for n in range(3)]
+    for name in old + manual:
+        consul.api("PUT", f"kv/consulrun/prunecap/history/{name}", data=json.dumps({"occurrence": name[:20]}))
+    args = ["run", "--schedule", YEARLY, "--history", "2", "prunecap", "--", "true"]
+    code, _, err = finish(consulrun(*args))
+    assert code == 0, err
+    this = f"{datetime.now(timezone.utc).year}-01-01T00:00:00Z"
+    kept = sorted(history(consul, "prunecap"))
+    assert kept == sorted(old[50:] + [this] + manual[1:]), kept
+    consul.api("DELETE", "kv/consulrun/prunecap/occurrence")  # a later occurrence, as far as the ledger knows
+    code, _, err = finish(consulrun(*args))
+    assert code == 0, err
+    assert sorted(history(consul, "prunecap")) == sorted([old[-1], this] + manual[1:])
+
+
 def test_several_schedules_with_zones_take_the_latest(consul: Agent, tmp_path: Path) -> None:
     seen = tmp_path / "occ"
     specs = ["*-01-01 00:00:00 UTC", "*-*-* 03:00:00 Asia/Tokyo", "Mon *-*-* 12:00:00 America/New_York"]
@@ -303,23 +322,40 @@ def test_a_claim_closes_a_dead_earlier_occurrence_in_the_history_and_records_its
     assert record["zone_offsets"] == calendar.zone_offsets(datetime(year, 1, 1, tzinfo=timezone.utc))
 
 
-def test_a_second_takeover_keeps_every_earlier_attempt(consul: Agent, tmp_path: Path) -> None:
-    """retry: an occurrence already taken over once and then lost is taken over again as attempt 3, its record
-    keeping both earlier attempts in order (the lost one as it was recorded, with its own reason)."""
+@pytest.mark.parametrize("second_ended", ["lost", "running"])
+def test_a_second_takeover_keeps_every_earlier_attempt(consul: Agent, tmp_path: Path, second_ended: str) -> None:
+    """retry: an occurrence already taken over once, whose second attempt was then lost (or whose runner died
+    without a word: its record still `running`, its session gone), is taken over again as attempt 3, its record
+    keeping both earlier attempts in order (a lost one as it was recorded, with its own reason)."""
+    from consulrun.occurrence import ABANDONED_REASON
+
     year = datetime.now(timezone.utc).year
     this = f"{year}-01-01T00:00:00Z"
     first = {"occurrence": this, "state": "abandoned", "node": "n1", "session": "s1", "attempt": 1, "earlier": [],
              "reason": "its runner's session ended", "ended": f"{year}-01-01T00:00:09Z"}
     second = {"occurrence": this, "state": "lost", "node": "n2", "session": "s2", "takeover": True, "attempt": 2,
               "earlier": [first], "reason": "fenced: the lock was lost", "ended": f"{year}-01-01T00:01:00Z"}
+    if second_ended == "running":
+        second = {k: v for k, v in second.items() if k not in ("reason", "ended")} | {"state": "running"}
     assert consul.api("PUT", "kv/consulrun/again/occurrence", data=json.dumps(second)).json() is True
-    ran = tmp_path / "ran"
-    code, _, err = finish(consulrun("run", "--schedule", YEARLY, "--on-holder-loss", "retry", "again", "--",
-                                    "touch", str(ran)))
-    assert code == 0 and ran.exists(), err
+    started, go = tmp_path / "started", tmp_path / "go"
+    runner = consulrun("run", "--schedule", YEARLY, "--on-holder-loss", "retry", "again", "--", "sh", "-c",
+                       f"touch {started}; while [ ! -e {go} ]; do sleep 0.1; done")
+    wait_for(started.exists, 20, "the takeover's job to start")
+    # The occurrence has no result yet: its history entry is written by the finish, not the takeover's claim.
+    assert consul.get("kv/consulrun/again/", params={"keys": "true"}) == ["consulrun/again/lock",
+                                                                          "consulrun/again/occurrence"]
+    go.touch()
+    code, _, err = finish(runner)
+    assert code == 0, err
     record = kv_json(consul, "consulrun/again/occurrence")
     assert (record["state"], record["takeover"], record["attempt"]) == ("done", True, 3), record
-    assert record["earlier"] == [first, second]
+    if second_ended == "lost":
+        assert record["earlier"] == [first, second]
+    else:
+        assert record["earlier"][0] == first and record["earlier"][1]["ended"].startswith(str(year))
+        assert record["earlier"][1] == second | {"state": "abandoned", "reason": ABANDONED_REASON,
+                                                 "ended": record["earlier"][1]["ended"]}
 
 
 def _ranked(key: str, names: list[str], servers: tuple[str, ...] = ("node1",)) -> list[str]:
