@@ -611,7 +611,10 @@ def test_a_node_in_another_system_zone_is_refused_not_run_twice(consul: Agent, t
                              'mount --bind /usr/share/zoneinfo/Europe/Berlin "$(realpath /etc/localtime)" && exec "$@"',
                              "sh", *args], env=env, capture_output=True, text=True, timeout=60)
     assert berlin.returncode == 2, berlin.stderr
-    assert "nodes would disagree on the occurrence" in berlin.stderr
+    record = json.loads(base64.b64decode(consul.get("kv/consulrun/zoned/occurrence")[0]["Value"]))
+    assert (f"is not the one dev1 evaluated the schedule in ({record['zone']}, {record['zone_offsets']}): nodes would "
+            "disagree on the occurrence; give every node the same zone, or name a zone in the schedule "
+            "(e.g. '*-*-* 02:00:00 Europe/Berlin')") in berlin.stderr, berlin.stderr
     assert len(ran.read_text().split()) == 1
     assert sessions(consul) == []
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import base64
 import json
 import subprocess
-from datetime import datetime, timedelta
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 import pytest
@@ -69,6 +69,28 @@ def test_a_trigger_beside_a_done_occurrence_is_run_once_as_manual_by_the_run_it_
     code, _, err = finish(consulrun(*run))
     assert code == 0 and "already ran" in err, err
     assert ran.read_text() == "x\nx\n"
+
+
+def test_a_trigger_meeting_the_job_running_leaves_it_alone_and_names_the_holder(consul: Agent, tmp_path: Path) -> None:
+    """A request that reaches a run while the job is running (the lock was free when it was made): that run starts
+    nothing, says who holds the job, and leaves the request for the trigger to withdraw."""
+    started, go, second = tmp_path / "started", tmp_path / "go", tmp_path / "second"
+    schedule = ["run", "--schedule", "*-01-01 00:00:00 UTC", "--skip-exit-code", "75", "busyjob", "--"]
+    runner = consulrun(*schedule, "sh", "-c", f"touch {started}; while [ ! -e {go} ]; do sleep 0.1; done")
+    wait_for(started.exists, 20, "the scheduled run to start")
+    now = datetime.now(timezone.utc).isoformat(timespec="seconds").replace("+00:00", "Z")
+    request = {"id": "7d6c4c1e-0000-4000-8000-000000000001", "by": "tester", "at": now, "node": "dev1"}
+    consul.api("PUT", "kv/consulrun/busyjob/trigger", data=json.dumps(request))
+    try:
+        code, _, err = finish(consulrun(*schedule, "touch", str(second)))
+        holder = json.loads(base64.b64decode(consul.get("kv/consulrun/busyjob/lock")[0]["Value"]))
+    finally:
+        go.touch()
+    assert code == 75 and not second.exists(), err
+    assert (f"a manual run was asked for, but the job is running: dev1 (pid {holder['pid']}, since "
+            f"{holder['started']}, session ") in err, err
+    assert json.loads(base64.b64decode(consul.get("kv/consulrun/busyjob/trigger")[0]["Value"])) == request
+    assert finish(runner)[0] == 0
 
 
 def requests_get(agent: Agent, path: str) -> int:
