@@ -300,26 +300,29 @@ def test_dead_runner_under_skip_is_marked_abandoned_and_not_rerun(consul: Agent,
 def test_a_claim_closes_a_dead_earlier_occurrence_in_the_history_and_records_its_schedule_and_zone(
         consul: Agent, tmp_path: Path) -> None:
     """A record left `running` by a runner that died in last year's occurrence: this year's claim writes last year's
-    history entry as abandoned (no gap in the history), and its own record names the schedule and the zone."""
+    history entry as abandoned (no gap in the history), and its own record names the schedule and the zone. That
+    record is as an older consulrun wrote it, with no zone offsets: a zone-less spec is not refused for it."""
     from consulrun import calendar
     from consulrun.occurrence import ABANDONED_REASON
 
-    year = datetime.now(timezone.utc).year
-    last, this = f"{year - 1}-01-01T00:00:00Z", f"{year}-01-01T00:00:00Z"
+    spec = "*-01-01 00:00:00"  # in the system zone
+    when = calendar.previous([spec], datetime.now(timezone.utc))
+    year = when.year
+    last, this = f"{year - 1}-01-01T00:00:00Z", calendar.occurrence_id(when)
     dead = {"occurrence": last, "state": "running", "node": "gone", "session": "5b8f2f83-0000-4000-8000-000000000000",
             "started": f"{year - 1}-01-01T00:00:01Z", "takeover": False, "attempt": 1, "earlier": []}
     assert consul.api("PUT", "kv/consulrun/gap/occurrence", data=json.dumps(dead)).json() is True
     assert consul.get("kv/consulrun/gap/", params={"keys": "true"}) == ["consulrun/gap/occurrence"]  # no history yet
     ran = tmp_path / "ran"
-    code, _, err = finish(consulrun("run", "--schedule", YEARLY, "gap", "--", "touch", str(ran)))
+    code, _, err = finish(consulrun("run", "--schedule", spec, "gap", "--", "touch", str(ran)))
     assert code == 0 and ran.exists(), err
     closed = history(consul, "gap")[last]
     assert {k: v for k, v in closed.items() if k not in ("state", "reason", "ended")} == {k: v for k, v in dead.items() if k != "state"}
-    assert (closed["state"], closed["reason"]) == ("abandoned", ABANDONED_REASON) and closed["ended"].startswith(str(year))
+    assert (closed["state"], closed["reason"]) == ("abandoned", ABANDONED_REASON) and closed["ended"].startswith(str(datetime.now(timezone.utc).year))
     record = kv_json(consul, "consulrun/gap/occurrence")
     assert (record["occurrence"], record["state"], record["attempt"], record["earlier"]) == (this, "done", 1, [])
-    assert record["schedule"] == [YEARLY] and record["zone"] == calendar.local_zone_name()
-    assert record["zone_offsets"] == calendar.zone_offsets(datetime(year, 1, 1, tzinfo=timezone.utc))
+    assert record["schedule"] == [spec] and record["zone"] == calendar.local_zone_name()
+    assert record["zone_offsets"] == calendar.zone_offsets(when)
 
 
 @pytest.mark.parametrize("second_ended", ["lost", "running"])
