@@ -1075,6 +1075,49 @@ def test_a_wait_on_a_held_lock_is_blocking_reads_not_a_busy_loop(consul: Agent, 
         finish(holder)
 
 
+def test_a_standby_outlives_refused_answers_and_a_first_look_refused_is_exit_69(consul: Agent,
+                                                                                 tmp_path: Path) -> None:
+    """retry: Consul refusing a standby's blocking reads (an election) does not end its standing by: it says so,
+    tries again, and sees the run through. A run that has not yet found anyone to stand by for does not wait out
+    a failure until the next occurrence (a year away): its first look failing (a 500 that is not an election,
+    which the start would retry for a while) is exit 69, at once."""
+    from tests.harness.faultproxy import FaultProxy
+
+    started, go, ran = tmp_path / "started", tmp_path / "go", tmp_path / "ran"
+    args = ["run", "--schedule", YEARLY, "--on-holder-loss", "retry", "--skip-exit-code", str(SKIP)]
+    holder = consulrun(*args, "refusedwait", "--", "sh", "-c", f"touch {started}; while [ ! -e {go} ]; do sleep 0.1; done")
+    try:
+        wait_for(started.exists, 20, "the holder's job")
+        with FaultProxy(consul.http_addr) as proxy:
+            refused = proxy.fail("GET", "index=", "refuse", times=2)
+            blocking = proxy.fail("GET", "index=", "forward", times=10_000)
+            standby = consulrun(*args, "refusedwait", "--", "touch", str(ran), env={"CONSUL_HTTP_ADDR": proxy.address})
+            try:
+                wait_for(lambda: blocking.hits, 30, "the standby to block on the lock after two refused reads")
+                assert len(refused.hits) == 2 and standby.poll() is None
+                go.touch()
+                code, _, err = finish(standby, timeout=30)
+            finally:
+                standby.kill()
+        assert code == SKIP and not ran.exists(), err
+        assert err.count("Consul cannot answer while standing by") == 1 and "already ran on dev1" in err, err
+        assert finish(holder)[0] == 0
+
+        with FaultProxy(consul.http_addr) as proxy:
+            looks = proxy.fail("PUT", "/v1/txn", "refuse", times=10_000, answer=b"internal error: disk full")
+            first = consulrun(*args, "refusedfirst", "--", "touch", str(ran), env={"CONSUL_HTTP_ADDR": proxy.address})
+            try:
+                code, _, err = finish(first, timeout=30)
+            finally:
+                first.kill()
+        assert code == 69 and not ran.exists() and looks.hits, err
+        assert "Consul cannot serve the request: 500 internal error: disk full" in err and "standing by" not in err, err
+        assert sessions(consul) == []
+    finally:
+        go.touch()
+        holder.kill()
+
+
 def _stopped_after(proc: subprocess.Popen[str], seconds: float) -> tuple[int, str, str]:
     """`proc` given SIGTERM after `seconds` (a standby waits for the next occurrence, a year away)."""
     try:

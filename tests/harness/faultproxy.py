@@ -26,6 +26,7 @@ class Rule:
     times: int = 1
     then: Callable[[str], None] | None = None  # given the request; done before answering: another node's move
     hits: list[str] = field(default_factory=list)  # what it matched, for the test to check
+    answer: bytes = ELECTION  # the 500's text when refused: an election by default, which callers retry
 
 
 class FaultProxy:
@@ -47,7 +48,7 @@ class FaultProxy:
                 if rule and rule.then:
                     rule.then(self.path + "\n" + body.decode("utf-8", "replace"))
                 if rule and rule.action == "refuse":
-                    return self._answer(500, ELECTION)
+                    return self._answer(500, rule.answer)
                 upstream_conn = http.client.HTTPConnection(host, int(port), timeout=600)
                 try:
                     headers = {k: v for k, v in self.headers.items() if k.lower() not in ("host", "connection")}
@@ -87,8 +88,8 @@ class FaultProxy:
         return None
 
     def fail(self, method: str, holds: str, action: str, times: int = 1,
-             then: Callable[[str], None] | None = None) -> Rule:
-        rule = Rule(method, holds, action, times, then)
+             then: Callable[[str], None] | None = None, answer: bytes = ELECTION) -> Rule:
+        rule = Rule(method, holds, action, times, then, answer=answer)
         with self._lock:
             self.rules.append(rule)
         return rule
