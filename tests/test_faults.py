@@ -1118,6 +1118,42 @@ def test_a_standby_outlives_refused_answers_and_a_first_look_refused_is_exit_69(
         holder.kill()
 
 
+def test_a_standbys_takeover_whose_outcome_could_not_be_read_back_is_recognised_as_its_own(consul: Agent,
+                                                                                            tmp_path: Path) -> None:
+    """retry: a standby takes over a dead runner's occurrence; Consul applies the takeover but its answer is lost,
+    and the read-back is refused past its budget. Standing by, the node looks again: the lock and the record name
+    its own session, so the claim is its own, and it runs it, as attempt 2, once (not a third attempt after
+    giving its own claim up, nor a wait on itself)."""
+    from tests.harness.faultproxy import FaultProxy
+
+    dead = {"occurrence": OCC, "state": "running", "node": "gone", "session": "5b8f2f83-0000-4000-8000-000000000001",
+            "started": OCC, "takeover": False, "attempt": 1, "earlier": []}
+    consul.api("PUT", "kv/consulrun/ownclaim/occurrence", data=json.dumps(dead))
+    ran, log = tmp_path / "ran", tmp_path / "standby.log"
+    with FaultProxy(consul.http_addr) as proxy, log.open("w") as sink:
+        lost = proxy.fail("PUT", '"Verb": "lock"', "lose-answer")
+        reads = proxy.fail("GET", "consistent", "refuse", times=10_000)
+        standby = consulrun("run", "--schedule", YEARLY, "--on-holder-loss", "retry", "--ttl", "10s", "ownclaim", "--",
+                            "sh", "-c", f"echo x >> {ran}", env={"CONSUL_HTTP_ADDR": proxy.address},
+                            stdout=subprocess.DEVNULL, stderr=sink)
+        try:
+            wait_for(lambda: "Consul cannot answer while standing by" in log.read_text(), 40,
+                     "the read-back to give up and the standby to look again")
+            assert lost.hits and not ran.exists()
+            with proxy._lock:
+                reads.times = 0  # Consul answers again
+            assert standby.wait(timeout=60) == 0, log.read_text()
+        finally:
+            standby.kill()
+    err = log.read_text()
+    assert "whether the acquisition went through is unknown" in err, err
+    assert err.count(f" for occurrence {OCC}, taking over from a dead runner, (session ") == 1, err
+    assert ran.read_text() == "x\n"
+    record = kv_json(consul, "consulrun/ownclaim/occurrence")
+    assert (record["state"], record["attempt"], len(record["earlier"])) == ("done", 2, 1), record
+    assert sessions(consul) == []
+
+
 def _stopped_after(proc: subprocess.Popen[str], seconds: float) -> tuple[int, str, str]:
     """`proc` given SIGTERM after `seconds` (a standby waits for the next occurrence, a year away)."""
     try:
