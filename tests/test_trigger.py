@@ -93,6 +93,23 @@ def test_a_trigger_meeting_the_job_running_leaves_it_alone_and_names_the_holder(
     assert finish(runner)[0] == 0
 
 
+def test_a_trigger_beside_a_later_occurrence_is_run_as_manual(consul: Agent, tmp_path: Path) -> None:
+    """A node whose clock is behind finds a later occurrence recorded: it skips its own, but a trigger asked of it
+    is still run (a manual run is outside the schedule), and consumed."""
+    later = {"occurrence": f"{datetime.now(timezone.utc).year + 1}-01-01T00:00:00Z", "state": "done", "node": "ahead",
+             "session": "s", "attempt": 1, "earlier": [], "exit_status": 0}
+    consul.api("PUT", "kv/consulrun/laterjob/occurrence", data=json.dumps(later))
+    now = datetime.now(timezone.utc).isoformat(timespec="seconds").replace("+00:00", "Z")
+    consul.api("PUT", "kv/consulrun/laterjob/trigger",
+               data=json.dumps({"id": "7d6c4c1e-0000-4000-8000-000000000002", "by": "tester", "at": now, "node": "dev1"}))
+    ran = tmp_path / "ran"
+    code, _, err = finish(consulrun("run", "--schedule", "*-01-01 00:00:00 UTC", "laterjob", "--", "touch", str(ran)))
+    assert code == 0 and ran.exists(), err
+    assert "for a manual run asked for by tester" in err, err
+    assert requests_get(consul, "kv/consulrun/laterjob/trigger") == 404  # consumed
+    assert json.loads(base64.b64decode(consul.get("kv/consulrun/laterjob/occurrence")[0]["Value"])) == later
+
+
 def requests_get(agent: Agent, path: str) -> int:
     import requests
 
