@@ -9,6 +9,7 @@ from __future__ import annotations
 import base64
 import json
 import os
+import re
 import resource
 import shlex
 import signal
@@ -681,6 +682,12 @@ def test_unreachable_consul_is_logged_once_then_every_few_seconds(consul_bin: st
     complaints = [line for line in err.splitlines() if "cannot confirm the lock" in line]
     assert 1 <= len(complaints) <= 3, complaints
     assert all(line.startswith("consulrun: quiet: ") and "the job is stopped in" in line for line in complaints)
+    # The fence's own line: how long the lock went unconfirmed (fence after 9 s, checked at least once a second),
+    # when another node may take it (lock-delay 15 s: 14 s + the 1 s margin), and the grace the job is given.
+    fenced = [line for line in err.splitlines() if "lock lost" in line]
+    assert len(fenced) == 1 and re.fullmatch(
+        r"consulrun: quiet: lock lost: lock not confirmed for (9|10)\.\ds; another node may acquire it 15s after the "
+        r"last confirmation; killing the job's processes \(SIGTERM, SIGKILL after [3-5]\.\ds\)", fenced[0]), fenced
 
 
 def test_waiting_is_said_once_with_what_for(consul: Agent, tmp_path: Path) -> None:
