@@ -298,7 +298,7 @@ def test_fenced_run_is_recorded_lost_and_rerun_only_under_retry(consul: Agent, t
     else:
         assert code == SKIP, err
         assert not again.exists()
-        assert "ended lost; it is not run again" in err
+        assert f"occurrence {OCC} was claimed by dev1 and ended lost; it is not run again (on_holder_loss=skip)" in err
     assert sessions(consul) == []
 
 
@@ -1159,6 +1159,24 @@ def test_a_standbys_takeover_whose_outcome_could_not_be_read_back_is_recognised_
     record = kv_json(consul, "consulrun/ownclaim/occurrence")
     assert (record["state"], record["attempt"], len(record["earlier"])) == ("done", 2, 1), record
     assert sessions(consul) == []
+
+
+def test_the_confirmation_before_the_start_is_a_consistent_read_asked_again_while_consul_cannot_answer(
+        consul: Agent, tmp_path: Path) -> None:
+    """Between acquiring and forking, the lock is read once more, consistently (a leader's default read can be
+    stale); an election's refusal is not a lost lock: asked again, the job starts."""
+    from tests.harness.faultproxy import FaultProxy
+
+    ran = tmp_path / "ran"
+    with FaultProxy(consul.http_addr) as proxy:
+        acquired = proxy.fail("GET", "/v1/kv/consulrun/confirmstart/lock?consistent", "forward", times=1)
+        refused = proxy.fail("GET", "/v1/kv/consulrun/confirmstart/lock?consistent", "refuse", times=2)
+        code, _, err = finish(consulrun("run", "confirmstart", "--", "touch", str(ran),
+                                        env={"CONSUL_HTTP_ADDR": proxy.address}))
+    assert code == 0 and ran.exists(), err
+    assert len(acquired.hits) == 1 and len(refused.hits) == 2, (acquired.hits, refused.hits)
+    asked = [line for line in err.splitlines() if "cannot confirm the lock before starting the job" in line]
+    assert len(asked) == 2 and all(line.endswith("No cluster leader); asking again") for line in asked), err
 
 
 def _stopped_after(proc: subprocess.Popen[str], seconds: float) -> tuple[int, str, str]:

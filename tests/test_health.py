@@ -160,6 +160,25 @@ def test_a_result_recorded_after_the_lock_was_lost_drops_a_refused_check_too(cat
     assert catalog.get("session/list") == []
 
 
+def test_a_dead_runner_marked_abandoned_drops_a_refused_check_too(catalog: Agent, tmp_path: Path) -> None:
+    """skip: a node finds the occurrence's runner dead and records it abandoned; a check operation Consul refuses
+    there (no external node yet) is dropped, as on every other write of a result, never a write retried for ever."""
+    import json
+
+    occurrence = f"{datetime.now(timezone.utc).year}-01-01T00:00:00Z"
+    dead = {"occurrence": occurrence, "state": "running", "node": "gone", "session": "5b8f2f83-0000-4000-8000-000000000002",
+            "started": occurrence, "takeover": False, "attempt": 1, "earlier": []}
+    catalog.api("PUT", "kv/consulrun/deadhc/occurrence", data=json.dumps(dead))
+    ran = tmp_path / "ran"
+    code, _, err = finish(consulrun("run", "--health-check", "--schedule", YEARLY, "--skip-exit-code", "42", "deadhc",
+                                    "--", "touch", str(ran)), timeout=30)
+    assert code == 42 and not ran.exists(), err
+    assert f"occurrence {occurrence} was abandoned by gone; recorded" in err, err
+    assert "the job's Consul health check was not updated (" in err, err
+    assert catalog.get("kv/consulrun/deadhc/occurrence?raw")["state"] == "abandoned"
+    assert catalog.get("session/list") == []
+
+
 # --- The watchdog -------------------------------------------------------------------------------------------
 
 
