@@ -1125,9 +1125,12 @@ def test_a_standby_outlives_refused_answers_and_a_first_look_refused_is_exit_69(
         holder.kill()
 
 
+@pytest.mark.parametrize("ended", ["running", "lost"])
 def test_a_standbys_takeover_whose_outcome_could_not_be_read_back_is_recognised_as_its_own(consul: Agent,
-                                                                                            tmp_path: Path) -> None:
-    """retry: a standby takes over a dead runner's occurrence; Consul applies the takeover but its answer is lost,
+                                                                                            tmp_path: Path,
+                                                                                            ended: str) -> None:
+    """retry: a node takes over an occurrence whose runner died (its record still `running`) or was fenced (`lost`);
+    Consul applies the takeover but its answer is lost,
     and the read-back is refused past its budget. Standing by, the node looks again: the lock and the record name
     its own session, so the claim is its own, and it runs it, as attempt 2, once (not a third attempt after
     giving its own claim up, nor a wait on itself)."""
@@ -1135,6 +1138,8 @@ def test_a_standbys_takeover_whose_outcome_could_not_be_read_back_is_recognised_
 
     dead = {"occurrence": OCC, "state": "running", "node": "gone", "session": "5b8f2f83-0000-4000-8000-000000000001",
             "started": OCC, "takeover": False, "attempt": 1, "earlier": []}
+    if ended == "lost":
+        dead |= {"state": "lost", "reason": "fenced", "ended": OCC}
     consul.api("PUT", "kv/consulrun/ownclaim/occurrence", data=json.dumps(dead))
     ran, log = tmp_path / "ran", tmp_path / "standby.log"
     with FaultProxy(consul.http_addr) as proxy, log.open("w") as sink:
@@ -1154,7 +1159,7 @@ def test_a_standbys_takeover_whose_outcome_could_not_be_read_back_is_recognised_
             standby.kill()
     err = log.read_text()
     assert "whether the acquisition went through is unknown" in err, err
-    assert err.count(f" for occurrence {OCC}, taking over from a dead runner, (session ") == 1, err
+    assert err.count(f" for occurrence {OCC}, taking over from a dead runner, (session ") == 1, err  # said of both
     assert ran.read_text() == "x\n"
     record = kv_json(consul, "consulrun/ownclaim/occurrence")
     assert (record["state"], record["attempt"], len(record["earlier"])) == ("done", 2, 1), record
@@ -1177,6 +1182,24 @@ def test_the_confirmation_before_the_start_is_a_consistent_read_asked_again_whil
     assert len(acquired.hits) == 1 and len(refused.hits) == 2, (acquired.hits, refused.hits)
     asked = [line for line in err.splitlines() if "cannot confirm the lock before starting the job" in line]
     assert len(asked) == 2 and all(line.endswith("No cluster leader); asking again") for line in asked), err
+
+
+def test_a_confirmation_answered_past_the_fencing_deadline_starts_nothing(consul: Agent, tmp_path: Path) -> None:
+    """The read that confirms the lock just before the fork is answered, "ours", but only after the fencing deadline
+    (9 s at lock-delay 15 s): by then another node may hold the lock, so the answer is stale and nothing starts."""
+    from tests.harness.faultproxy import FaultProxy
+
+    ran = tmp_path / "ran"
+    with FaultProxy(consul.http_addr) as proxy:
+        proxy.fail("GET", "/v1/kv/consulrun/slowconfirm/lock?consistent", "forward", times=1)  # the acquisition's
+        slow = proxy.fail("GET", "/v1/kv/consulrun/slowconfirm/lock?consistent", "forward", times=1,
+                          then=lambda _: time.sleep(9.5))
+        code, _, err = finish(consulrun("run", "--schedule", YEARLY, "slowconfirm", "--", "touch", str(ran),
+                                        env={"CONSUL_HTTP_ADDR": proxy.address}))
+    assert len(slow.hits) == 1 and not ran.exists(), err
+    assert code == 75 and re.search(r"the confirmation took (9|10)\.\ds, past the fencing deadline", err), err
+    assert kv_json(consul, "consulrun/slowconfirm/occurrence")["state"] == "lost"
+    assert sessions(consul) == []
 
 
 def _stopped_after(proc: subprocess.Popen[str], seconds: float) -> tuple[int, str, str]:
