@@ -1108,6 +1108,7 @@ def test_a_standby_outlives_refused_answers_and_a_first_look_refused_is_exit_69(
                 standby.kill()
         assert code == SKIP and not ran.exists(), err
         assert err.count("Consul cannot answer while standing by") == 1 and "already ran on dev1" in err, err
+        assert f"occurrence {OCC} runs on dev1; standing by for up to " in err, err
         assert finish(holder)[0] == 0
 
         with FaultProxy(consul.http_addr) as proxy:
@@ -1120,6 +1121,36 @@ def test_a_standby_outlives_refused_answers_and_a_first_look_refused_is_exit_69(
         assert code == 69 and not ran.exists() and looks.hits, err
         assert "Consul cannot serve the request: 500 internal error: disk full" in err and "standing by" not in err, err
         assert sessions(consul) == []
+    finally:
+        go.touch()
+        holder.kill()
+
+
+def test_a_wait_for_the_previous_run_outlives_refused_answers(consul: Agent, tmp_path: Path) -> None:
+    """A new occurrence, unclaimed, while the previous run still holds the lock: the node waits (--wait) on blocking
+    reads, and Consul refusing them (an election) does not end the wait; once the lock is free the node runs it."""
+    from tests.harness.faultproxy import FaultProxy
+
+    started, go, ran = tmp_path / "started", tmp_path / "go", tmp_path / "ran"
+    holder = consulrun("run", "prevwait", "--", "sh", "-c", f"touch {started}; while [ ! -e {go} ]; do sleep 0.1; done")
+    try:
+        wait_for(started.exists, 20, "the previous run's job")
+        with FaultProxy(consul.http_addr) as proxy:
+            refused = proxy.fail("GET", "index=", "refuse", times=2)
+            blocking = proxy.fail("GET", "index=", "forward", times=10_000)
+            waiter = consulrun("run", "--schedule", YEARLY, "--wait", "60s", "prevwait", "--", "touch", str(ran),
+                               env={"CONSUL_HTTP_ADDR": proxy.address})
+            try:
+                wait_for(lambda: blocking.hits, 30, "the waiter to block on the lock after two refused reads")
+                assert len(refused.hits) == 2 and waiter.poll() is None
+                go.touch()
+                code, _, err = finish(waiter, timeout=30)
+            finally:
+                waiter.kill()
+        assert code == 0 and ran.exists(), err
+        assert err.count("Consul cannot answer while standing by") == 1, err
+        assert "the previous run holds the lock: dev1 (pid " in err, err
+        assert finish(holder)[0] == 0
     finally:
         go.touch()
         holder.kill()
