@@ -395,13 +395,17 @@ def test_sigterm_at_each_step_gives_143_and_leaves_nothing_running(consul: Agent
     assert "Session" not in lock_entry(consul, "consulrun/sigjob/lock")
 
 
-def test_sigterm_while_holding_a_session_in_lock_delay_leaves_no_session(consul: Agent, tmp_path: Path) -> None:
-    started = tmp_path / "started"
-    holder = consulrun("run", "--lock-delay", "10s", "sigwait", "--", "sh", "-c", f"touch {started}; sleep 300")
+@pytest.mark.parametrize("how", [[], ["--schedule", YEARLY, "--on-holder-loss", "retry"]], ids=["plain", "scheduled"])
+def test_sigterm_while_holding_a_session_in_lock_delay_leaves_no_session(consul: Agent, tmp_path: Path,
+                                                                         how: list[str]) -> None:
+    """A plain run waiting for a free lock, or a retry node about to take a fenced occurrence over, is refused by
+    lock-delay and waits holding its session: a SIGTERM then leaves no session behind."""
+    started, job = tmp_path / "started", f"sigwait{len(how)}"
+    holder = consulrun("run", *how, "--lock-delay", "10s", job, "--", "sh", "-c", f"touch {started}; sleep 300")
     wait_for(started.exists, 20, "the holder's job")
-    consul.api("PUT", f"session/destroy/{lock_entry(consul, 'consulrun/sigwait/lock')['Session']}")
+    consul.api("PUT", f"session/destroy/{lock_entry(consul, f'consulrun/{job}/lock')['Session']}")
     assert finish(holder)[0] == 75
-    waiter = consulrun("run", "--lock-delay", "10s", "--wait", "1m", "sigwait", "--", "true",
+    waiter = consulrun("run", *how, "--lock-delay", "10s", "--wait", "1m", job, "--", "true",
                        env=hooks(tmp_path, "lock-delay-wait"))
     at(tmp_path, "lock-delay-wait")
     assert len(sessions(consul)) == 1  # the waiter holds a session while lock-delay refuses it
