@@ -154,6 +154,27 @@ def test_wait_outlasts_ttl_through_lock_delay_and_acquires(consul: Agent, tmp_pa
     assert sessions(consul) == []
 
 
+def test_a_lock_delay_longer_than_our_own_is_waited_out_backing_off(consul: Agent, tmp_path: Path) -> None:
+    """The lock-delay in force is the dead holder's session's (10 s), longer than the waiter's own (5 s, as while a
+    manifest change rolls out): refused again when its own lock-delay is over, the waiter backs off (0.5, 1, 2, 4 s),
+    a handful of attempts, each a Raft write, rather than a steady stream, and takes the lock."""
+    from tests.harness.faultproxy import FaultProxy
+
+    started, ran = tmp_path / "started", tmp_path / "ran"
+    holder = consulrun("run", "--lock-delay", "10s", "mixeddelay", "--", "sh", "-c", f"touch {started}; sleep 300")
+    wait_for(started.exists, 20, "the holder's job")
+    consul.api("PUT", f"session/destroy/{lock_entry(consul, 'consulrun/mixeddelay/lock')['Session']}")
+    assert finish(holder)[0] == 75
+    with FaultProxy(consul.http_addr) as proxy:
+        attempts = proxy.fail("PUT", '"Verb": "lock"', "forward", times=10_000)
+        code, _, err = finish(consulrun("run", "--lock-delay", "5s", "--wait", "40s", "mixeddelay", "--", "touch",
+                                        str(ran), env={"CONSUL_HTTP_ADDR": proxy.address}))
+    assert code == 0 and ran.exists(), err
+    # refused at once, at our lock-delay's end (5.2 s), then after 0.5, 1, 2 (8.7 s), taken after 4 more (12.7 s)
+    assert 4 <= len(attempts.hits) <= 7, len(attempts.hits)
+    assert sessions(consul) == []
+
+
 def _children_cpu() -> float:
     usage = resource.getrusage(resource.RUSAGE_CHILDREN)
     return usage.ru_utime + usage.ru_stime
