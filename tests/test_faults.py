@@ -165,13 +165,15 @@ def test_a_lock_delay_longer_than_our_own_is_waited_out_backing_off(consul: Agen
     wait_for(started.exists, 20, "the holder's job")
     consul.api("PUT", f"session/destroy/{lock_entry(consul, 'consulrun/mixeddelay/lock')['Session']}")
     assert finish(holder)[0] == 75
+    sent: list[float] = []
     with FaultProxy(consul.http_addr) as proxy:
-        attempts = proxy.fail("PUT", '"Verb": "lock"', "forward", times=10_000)
+        attempts = proxy.fail("PUT", '"Verb": "lock"', "forward", times=10_000, then=lambda _: sent.append(time.monotonic()))
         code, _, err = finish(consulrun("run", "--lock-delay", "5s", "--wait", "40s", "mixeddelay", "--", "touch",
                                         str(ran), env={"CONSUL_HTTP_ADDR": proxy.address}))
     assert code == 0 and ran.exists(), err
     # refused at once, at our lock-delay's end (5.2 s), then after 0.5, 1, 2 (8.7 s), taken after 4 more (12.7 s)
     assert 4 <= len(attempts.hits) <= 7, len(attempts.hits)
+    assert sent[1] - sent[0] >= 5.0, sent  # nothing is asked again before the waiter's own lock-delay is over
     assert sessions(consul) == []
 
 
