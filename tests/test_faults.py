@@ -707,7 +707,7 @@ def test_unreachable_consul_is_logged_once_then_every_few_seconds(consul_bin: st
         agent.stop()
     assert code == 75, err
     complaints = [line for line in err.splitlines() if "cannot confirm the lock" in line]
-    assert 1 <= len(complaints) <= 3, complaints
+    assert 2 <= len(complaints) <= 3, complaints  # at once, then 5 s later (fenced at 9 s)
     assert all(line.startswith("consulrun: quiet: ") and "the job is stopped in" in line for line in complaints)
     # The fence's own line: how long the lock went unconfirmed (fence after 9 s, checked at least once a second),
     # when another node may take it (lock-delay 15 s: 14 s + the 1 s margin), and the grace the job is given.
@@ -715,6 +715,22 @@ def test_unreachable_consul_is_logged_once_then_every_few_seconds(consul_bin: st
     assert len(fenced) == 1 and re.fullmatch(
         r"consulrun: quiet: lock lost: lock not confirmed for (9|10)\.\ds; another node may acquire it 15s after the "
         r"last confirmation; killing the job's processes \(SIGTERM, SIGKILL after [3-5]\.\ds\)", fenced[0]), fenced
+
+
+def test_confirmations_refused_for_a_moment_are_said_once_and_so_is_their_return(consul: Agent,
+                                                                                   tmp_path: Path) -> None:
+    """The watcher's blocking reads are refused twice (an election), well inside the fencing deadline: one line says
+    the lock cannot be confirmed, one says it is confirmed again, and the job runs to its end, unfenced."""
+    from tests.harness.faultproxy import FaultProxy
+
+    with FaultProxy(consul.http_addr) as proxy:
+        refused = proxy.fail("GET", "index=", "refuse", times=2)
+        code, _, err = finish(consulrun("run", "flaky", "--", "sleep", "10", env={"CONSUL_HTTP_ADDR": proxy.address}))
+    assert code == 0 and len(refused.hits) == 2, err
+    assert "lock lost" not in err, err
+    cannot = [line for line in err.splitlines() if "cannot confirm the lock" in line]
+    assert len(cannot) == 1 and re.search(r"the job is stopped in [89]s unless Consul answers$", cannot[0]), err
+    assert err.count("consulrun: flaky: the lock is confirmed again") == 1, err
 
 
 def test_waiting_is_said_once_with_what_for(consul: Agent, tmp_path: Path) -> None:
