@@ -727,6 +727,7 @@ def test_confirmations_refused_for_a_moment_are_said_once_and_so_is_their_return
         refused = proxy.fail("GET", "index=", "refuse", times=2)
         code, _, err = finish(consulrun("run", "flaky", "--", "sleep", "10", env={"CONSUL_HTTP_ADDR": proxy.address}))
     assert code == 0 and len(refused.hits) == 2, err
+    assert all("consistent" in hit for hit in refused.hits), refused.hits  # a deposed leader's answer is no confirmation
     assert "lock lost" not in err, err
     cannot = [line for line in err.splitlines() if "cannot confirm the lock" in line]
     assert len(cannot) == 1 and re.search(r"the job is stopped in [89]s unless Consul answers$", cannot[0]), err
