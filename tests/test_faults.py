@@ -1141,17 +1141,7 @@ def test_a_standby_outlives_refused_answers_and_a_first_look_refused_is_exit_69(
     holder = consulrun(*args, "refusedwait", "--", "sh", "-c", f"touch {started}; while [ ! -e {go} ]; do sleep 0.1; done")
     try:
         wait_for(started.exists, 20, "the holder's job")
-        with FaultProxy(consul.http_addr) as proxy:
-            refused = proxy.fail("GET", "index=", "refuse", times=2)
-            blocking = proxy.fail("GET", "index=", "forward", times=10_000)
-            standby = consulrun(*args, "refusedwait", "--", "touch", str(ran), env={"CONSUL_HTTP_ADDR": proxy.address})
-            try:
-                wait_for(lambda: blocking.hits, 30, "the standby to block on the lock after two refused reads")
-                assert len(refused.hits) == 2 and standby.poll() is None
-                go.touch()
-                code, _, err = finish(standby, timeout=30)
-            finally:
-                standby.kill()
+        code, err = _through_two_refused_reads(consul, [*args, "refusedwait", "--", "touch", str(ran)], go)
         assert code == SKIP and not ran.exists(), err
         assert err.count("Consul cannot answer while standing by") == 1 and "already ran on dev1" in err, err
         assert f"occurrence {OCC} runs on dev1; standing by for up to " in err, err
@@ -1172,27 +1162,34 @@ def test_a_standby_outlives_refused_answers_and_a_first_look_refused_is_exit_69(
         holder.kill()
 
 
+def _through_two_refused_reads(consul: Agent, args: list[str], go: Path) -> tuple[int, str]:
+    """Run consulrun `args` through a proxy that refuses its first two blocking reads (an election); once it blocks
+    on a third, let the holder's job end (`go`); its exit status and log."""
+    from tests.harness.faultproxy import FaultProxy
+
+    with FaultProxy(consul.http_addr) as proxy:
+        refused = proxy.fail("GET", "index=", "refuse", times=2)
+        blocking = proxy.fail("GET", "index=", "forward", times=10_000)
+        waiter = consulrun(*args, env={"CONSUL_HTTP_ADDR": proxy.address})
+        try:
+            wait_for(lambda: blocking.hits, 30, "the waiter to block on the lock after two refused reads")
+            assert len(refused.hits) == 2 and waiter.poll() is None
+            go.touch()
+            code, _, err = finish(waiter, timeout=30)
+        finally:
+            waiter.kill()
+    return code, err
+
+
 def test_a_wait_for_the_previous_run_outlives_refused_answers(consul: Agent, tmp_path: Path) -> None:
     """A new occurrence, unclaimed, while the previous run still holds the lock: the node waits (--wait) on blocking
     reads, and Consul refusing them (an election) does not end the wait; once the lock is free the node runs it."""
-    from tests.harness.faultproxy import FaultProxy
-
     started, go, ran = tmp_path / "started", tmp_path / "go", tmp_path / "ran"
     holder = consulrun("run", "prevwait", "--", "sh", "-c", f"touch {started}; while [ ! -e {go} ]; do sleep 0.1; done")
     try:
         wait_for(started.exists, 20, "the previous run's job")
-        with FaultProxy(consul.http_addr) as proxy:
-            refused = proxy.fail("GET", "index=", "refuse", times=2)
-            blocking = proxy.fail("GET", "index=", "forward", times=10_000)
-            waiter = consulrun("run", "--schedule", YEARLY, "--wait", "60s", "prevwait", "--", "touch", str(ran),
-                               env={"CONSUL_HTTP_ADDR": proxy.address})
-            try:
-                wait_for(lambda: blocking.hits, 30, "the waiter to block on the lock after two refused reads")
-                assert len(refused.hits) == 2 and waiter.poll() is None
-                go.touch()
-                code, _, err = finish(waiter, timeout=30)
-            finally:
-                waiter.kill()
+        code, err = _through_two_refused_reads(
+            consul, ["run", "--schedule", YEARLY, "--wait", "60s", "prevwait", "--", "touch", str(ran)], go)
         assert code == 0 and ran.exists(), err
         assert err.count("Consul cannot answer while standing by") == 1, err
         assert "the previous run holds the lock: dev1 (pid " in err, err
