@@ -16,6 +16,7 @@ its budget goes on where it stopped; a changed line is a new mutant, a moved one
 from __future__ import annotations
 
 import ast
+import contextlib
 import difflib
 import fcntl
 import hashlib
@@ -27,6 +28,7 @@ import sys
 import sysconfig
 import time
 import tomllib
+from collections.abc import Iterator
 from pathlib import Path
 
 from mutmut import ALL, Context, list_mutations, mutate
@@ -178,6 +180,14 @@ def _kill_session(sid: int) -> None:
                 pass
 
 
+@contextlib.contextmanager
+def _exclusive(lock_path: Path) -> Iterator[None]:
+    """Held by one process at a time: shards of a group share its directory, results and coverage map."""
+    with open(lock_path, "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
 # Every Python process of the venv starts coverage when COVERAGE_PROCESS_START names a config (coverage's own
 # subprocess hook): the wrappers the tests start run consulrun, not the pytest process.
 COVERAGE_PTH = ("import os; os.environ.get('COVERAGE_PROCESS_START') and "
@@ -196,8 +206,7 @@ def coverage_by_test(home: Path, work: Path, tests: list[str]) -> dict[str, set[
     for path in sorted([*(work / "consulrun").glob("*.py"), *(work / "tests").rglob("*.py")]):
         digest.update(path.read_bytes())
     cache = home / "coverage-by-test.json"
-    with open(home / "coverage-by-test.lock", "w") as lock:  # shards: the first builds the map, the others wait
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    with _exclusive(home / "coverage-by-test.lock"):  # shards: the first builds the map, the others wait
         return _coverage_map(cache, digest.hexdigest(), work, tests)
 
 
@@ -268,8 +277,7 @@ def shard() -> tuple[int, int]:
 
 def save_results(path: Path, mine: dict) -> None:
     """Write this process's results into the group's results.json, keeping what other shards wrote meanwhile."""
-    with open(path.with_suffix(".lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    with _exclusive(path.with_suffix(".lock")):
         stored = json.loads(path.read_text()) if path.exists() else {}
         merged = {identity(key): value for key, value in stored.items()}
         merged.update(mine)
@@ -281,8 +289,7 @@ def save_results(path: Path, mine: dict) -> None:
 def run_group(name: str, group: dict, deadline: float, again: bool = False) -> None:
     home = WORK / name  # results.json and the coverage map, shared by the shards
     home.mkdir(parents=True, exist_ok=True)
-    with open(home / "copy.lock", "w") as lock:  # shards starting together must not untar over each other
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    with _exclusive(home / "copy.lock"):  # shards starting together must not untar over each other
         copy_checkout(home)
     k, n = shard()
     work = home if n == 1 else WORK / f"{name}-shard{k}of{n}"  # each shard mutates its own copy
@@ -291,8 +298,7 @@ def run_group(name: str, group: dict, deadline: float, again: bool = False) -> N
         os.environ["CONSULRUN_TEST_NET_PREFIX"] = f"10.{220 + k}."  # and its cluster tests get their own subnets
     results_path = home / "results.json"
     kept = REPO / "docs" / "mutation-results" / f"{name}.json"  # the last run's results, committed: a fresh
-    with open(results_path.with_suffix(".lock"), "w") as lock:    # machine goes on where it stopped
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    with _exclusive(results_path.with_suffix(".lock")):           # machine goes on where it stopped
         if not results_path.exists() and kept.exists():
             results_path.write_text(kept.read_text())
     results: dict = json.loads(results_path.read_text()) if results_path.exists() else {}
