@@ -6,7 +6,6 @@ test hook (consulrun/testhook.py) and the test acts while it waits: no timing lu
 
 from __future__ import annotations
 
-import base64
 import json
 import os
 import re
@@ -26,7 +25,7 @@ from consulrun import calendar
 from consulrun.errors import UsageError
 from consulrun.fencing import Fencing, stop_timeout_ms
 from tests.harness.agents import Agent, wait_for
-from tests.test_run import SKIP, consulrun, finish, lock_entry, pid_alive
+from tests.test_run import SKIP, consulrun, finish, gated_job, kv_json, lock_entry, pid_alive
 
 pytestmark = pytest.mark.consul
 
@@ -45,11 +44,6 @@ def at(tmp_path: Path, point: str, timeout: float = 30) -> None:
 
 def go(tmp_path: Path, point: str) -> None:
     (tmp_path / "hooks" / f"{point}.go").touch()
-
-
-def kv_json(agent: Agent, key: str) -> dict | None:
-    entry = lock_entry(agent, key)
-    return json.loads(base64.b64decode(entry["Value"])) if entry and entry.get("Value") else None
 
 
 def sessions(agent: Agent) -> list[dict]:
@@ -167,7 +161,8 @@ def test_a_lock_delay_longer_than_our_own_is_waited_out_backing_off(consul: Agen
     assert finish(holder)[0] == 75
     sent: list[float] = []
     with FaultProxy(consul.http_addr) as proxy:
-        attempts = proxy.fail("PUT", '"Verb": "lock"', "forward", times=10_000, then=lambda _: sent.append(time.monotonic()))
+        attempts = proxy.fail("PUT", '"Verb": "lock"', "forward", times=10_000,
+                              then=lambda _: sent.append(time.monotonic()))
         code, _, err = finish(consulrun("run", "--lock-delay", "5s", "--wait", "40s", "mixeddelay", "--", "touch",
                                         str(ran), env={"CONSUL_HTTP_ADDR": proxy.address}))
     assert code == 0 and ran.exists(), err
@@ -641,7 +636,7 @@ def test_a_node_in_another_system_zone_is_refused_not_run_twice(consul: Agent, t
                              'mount --bind /usr/share/zoneinfo/Europe/Berlin "$(realpath /etc/localtime)" && exec "$@"',
                              "sh", *args], env=env, capture_output=True, text=True, timeout=60)
     assert berlin.returncode == 2, berlin.stderr
-    record = json.loads(base64.b64decode(consul.get("kv/consulrun/zoned/occurrence")[0]["Value"]))
+    record = kv_json(consul, "consulrun/zoned/occurrence")
     assert (f"is not the one dev1 evaluated the schedule in ({record['zone']}, {record['zone_offsets']}): nodes would "
             "disagree on the occurrence; give every node the same zone, or name a zone in the schedule "
             "(e.g. '*-*-* 02:00:00 Europe/Berlin')") in berlin.stderr, berlin.stderr
@@ -729,7 +724,8 @@ def test_confirmations_refused_for_a_moment_are_said_once_and_so_is_their_return
         refused = proxy.fail("GET", "index=", "refuse", times=2)
         code, _, err = finish(consulrun("run", "flaky", "--", "sleep", "10", env={"CONSUL_HTTP_ADDR": proxy.address}))
     assert code == 0 and len(refused.hits) == 2, err
-    assert all("consistent" in hit for hit in refused.hits), refused.hits  # a deposed leader's answer is no confirmation
+    # Consistent reads: a deposed leader's answer is no confirmation.
+    assert all("consistent" in hit for hit in refused.hits), refused.hits
     assert "lock lost" not in err, err
     cannot = [line for line in err.splitlines() if "cannot confirm the lock" in line]
     assert len(cannot) == 1 and re.search(r"the job is stopped in [89]s unless Consul answers$", cannot[0]), err
@@ -1138,7 +1134,7 @@ def test_a_standby_outlives_refused_answers_and_a_first_look_refused_is_exit_69(
 
     started, go, ran = tmp_path / "started", tmp_path / "go", tmp_path / "ran"
     args = ["run", "--schedule", YEARLY, "--on-holder-loss", "retry", "--skip-exit-code", str(SKIP)]
-    holder = consulrun(*args, "refusedwait", "--", "sh", "-c", f"touch {started}; while [ ! -e {go} ]; do sleep 0.1; done")
+    holder = consulrun(*args, "refusedwait", "--", *gated_job(started, go))
     try:
         wait_for(started.exists, 20, "the holder's job")
         code, err = _through_two_refused_reads(consul, [*args, "refusedwait", "--", "touch", str(ran)], go)
@@ -1185,7 +1181,7 @@ def test_a_wait_for_the_previous_run_outlives_refused_answers(consul: Agent, tmp
     """A new occurrence, unclaimed, while the previous run still holds the lock: the node waits (--wait) on blocking
     reads, and Consul refusing them (an election) does not end the wait; once the lock is free the node runs it."""
     started, go, ran = tmp_path / "started", tmp_path / "go", tmp_path / "ran"
-    holder = consulrun("run", "prevwait", "--", "sh", "-c", f"touch {started}; while [ ! -e {go} ]; do sleep 0.1; done")
+    holder = consulrun("run", "prevwait", "--", *gated_job(started, go))
     try:
         wait_for(started.exists, 20, "the previous run's job")
         code, err = _through_two_refused_reads(
@@ -1204,10 +1200,9 @@ def test_a_standbys_takeover_whose_outcome_could_not_be_read_back_is_recognised_
                                                                                             tmp_path: Path,
                                                                                             ended: str) -> None:
     """retry: a node takes over an occurrence whose runner died (its record still `running`) or was fenced (`lost`);
-    Consul applies the takeover but its answer is lost,
-    and the read-back is refused past its budget. Standing by, the node looks again: the lock and the record name
-    its own session, so the claim is its own, and it runs it, as attempt 2, once (not a third attempt after
-    giving its own claim up, nor a wait on itself)."""
+    Consul applies the takeover but its answer is lost, and the read-back is refused past its budget. Standing by,
+    the node looks again: the lock and the record name its own session, so the claim is its own, and it runs it,
+    as attempt 2, once (not a third attempt after giving its own claim up, nor a wait on itself)."""
     from tests.harness.faultproxy import FaultProxy
 
     dead = {"occurrence": OCC, "state": "running", "node": "gone", "session": "5b8f2f83-0000-4000-8000-000000000001",
@@ -1226,8 +1221,7 @@ def test_a_standbys_takeover_whose_outcome_could_not_be_read_back_is_recognised_
             wait_for(lambda: "Consul cannot answer while standing by" in log.read_text(), 40,
                      "the read-back to give up and the standby to look again")
             assert lost.hits and not ran.exists()
-            with proxy._lock:
-                reads.times = 0  # Consul answers again
+            proxy.retire(reads)  # Consul answers again
             assert standby.wait(timeout=60) == 0, log.read_text()
         finally:
             standby.kill()

@@ -166,8 +166,9 @@ def test_a_dead_runner_marked_abandoned_drops_a_refused_check_too(catalog: Agent
     import json
 
     occurrence = f"{datetime.now(timezone.utc).year}-01-01T00:00:00Z"
-    dead = {"occurrence": occurrence, "state": "running", "node": "gone", "session": "5b8f2f83-0000-4000-8000-000000000002",
-            "started": occurrence, "takeover": False, "attempt": 1, "earlier": []}
+    dead = {"occurrence": occurrence, "state": "running", "node": "gone",
+            "session": "5b8f2f83-0000-4000-8000-000000000002", "started": occurrence,
+            "takeover": False, "attempt": 1, "earlier": []}
     catalog.api("PUT", "kv/consulrun/deadhc/occurrence", data=json.dumps(dead))
     ran = tmp_path / "ran"
     code, _, err = finish(consulrun("run", "--health-check", "--schedule", YEARLY, "--skip-exit-code", "42", "deadhc",

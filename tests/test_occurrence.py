@@ -17,7 +17,7 @@ import pytest
 
 from tests.conftest import require_tool
 from tests.harness.agents import Agent, Cluster, wait_for
-from tests.test_run import SKIP, consulrun, finish, lock_entry
+from tests.test_run import SKIP, consulrun, finish, gated_job, kv_json
 
 pytestmark = pytest.mark.consul
 
@@ -34,11 +34,6 @@ def skewed(offset_s: float) -> dict[str, str]:
     if not FAKETIME_LIB.exists():  # LD_PRELOAD of a missing library is silently ignored: no skew at all
         pytest.fail(f"{FAKETIME_LIB} is missing (Debian package libfaketime)", pytrace=False)
     return {"FAKETIME": f"{offset_s:+.3f}", "FAKETIME_DONT_FAKE_MONOTONIC": "1", "LD_PRELOAD": str(FAKETIME_LIB)}
-
-
-def kv_json(agent: Agent, key: str) -> dict | None:
-    entry = lock_entry(agent, key)
-    return json.loads(base64.b64decode(entry["Value"])) if entry and entry.get("Value") else None
 
 
 def history(agent: Agent, job: str) -> dict[str, dict]:
@@ -198,13 +193,15 @@ def test_running_later_and_previous_skip_paths_make_no_writes(consul: Agent, tmp
     try:
         wait_for(started.exists, 20, "the holder's job")
         deltas, errs = _skip_writes(consul, [*minutely, "--", "true"])  # running
-        assert min(deltas) == 0 and all("was claimed by dev1 and is running (on_holder_loss=skip)" in e for e in errs), \
+        running = "was claimed by dev1 and is running (on_holder_loss=skip)"
+        assert min(deltas) == 0 and all(running in e for e in errs), \
             (deltas, errs)
         deltas, errs = _skip_writes(consul, [*minutely, "--", "true"], env=skewed(-120))  # a later one is claimed
         assert min(deltas) == 0 and all("is already claimed" in e for e in errs), (deltas, errs)
         # the next occurrence's nodes while this one still runs: occurrences never overlap
         deltas, errs = _skip_writes(consul, [*minutely, "--", "true"], env=skewed(60))
-        assert min(deltas) == 0 and all("the previous run still holds the lock: dev1 (pid " in e for e in errs), (deltas, errs)
+        assert min(deltas) == 0 and all("the previous run still holds the lock: dev1 (pid " in e for e in errs), \
+            (deltas, errs)
     finally:
         holder.send_signal(signal.SIGTERM)
         finish(holder)
@@ -310,16 +307,19 @@ def test_a_claim_closes_a_dead_earlier_occurrence_in_the_history_and_records_its
     when = calendar.previous([spec], datetime.now(timezone.utc))
     year = when.year
     last, this = f"{year - 1}-01-01T00:00:00Z", calendar.occurrence_id(when)
-    dead = {"occurrence": last, "state": "running", "node": "gone", "session": "5b8f2f83-0000-4000-8000-000000000000",
-            "started": f"{year - 1}-01-01T00:00:01Z", "takeover": False, "attempt": 1, "earlier": []}
+    dead = {"occurrence": last, "state": "running", "node": "gone",
+            "session": "5b8f2f83-0000-4000-8000-000000000000", "started": f"{year - 1}-01-01T00:00:01Z",
+            "takeover": False, "attempt": 1, "earlier": []}
     assert consul.api("PUT", "kv/consulrun/gap/occurrence", data=json.dumps(dead)).json() is True
     assert consul.get("kv/consulrun/gap/", params={"keys": "true"}) == ["consulrun/gap/occurrence"]  # no history yet
     ran = tmp_path / "ran"
     code, _, err = finish(consulrun("run", "--schedule", spec, "gap", "--", "touch", str(ran)))
     assert code == 0 and ran.exists(), err
     closed = history(consul, "gap")[last]
-    assert {k: v for k, v in closed.items() if k not in ("state", "reason", "ended")} == {k: v for k, v in dead.items() if k != "state"}
-    assert (closed["state"], closed["reason"]) == ("abandoned", ABANDONED_REASON) and closed["ended"].startswith(str(datetime.now(timezone.utc).year))
+    assert {k: v for k, v in closed.items() if k not in ("state", "reason", "ended")} == \
+        {k: v for k, v in dead.items() if k != "state"}
+    assert (closed["state"], closed["reason"]) == ("abandoned", ABANDONED_REASON)
+    assert closed["ended"].startswith(str(datetime.now(timezone.utc).year))
     record = kv_json(consul, "consulrun/gap/occurrence")
     assert (record["occurrence"], record["state"], record["attempt"], record["earlier"]) == (this, "done", 1, [])
     assert record["schedule"] == [spec] and record["zone"] == calendar.local_zone_name()
@@ -343,8 +343,7 @@ def test_a_second_takeover_keeps_every_earlier_attempt(consul: Agent, tmp_path: 
         second = {k: v for k, v in second.items() if k not in ("reason", "ended")} | {"state": "running"}
     assert consul.api("PUT", "kv/consulrun/again/occurrence", data=json.dumps(second)).json() is True
     started, go = tmp_path / "started", tmp_path / "go"
-    runner = consulrun("run", "--schedule", YEARLY, "--on-holder-loss", "retry", "again", "--", "sh", "-c",
-                       f"touch {started}; while [ ! -e {go} ]; do sleep 0.1; done")
+    runner = consulrun("run", "--schedule", YEARLY, "--on-holder-loss", "retry", "again", "--", *gated_job(started, go))
     wait_for(started.exists, 20, "the takeover's job to start")
     # The occurrence has no result yet: its history entry is written by the finish, not the takeover's claim.
     assert consul.get("kv/consulrun/again/", params={"keys": "true"}) == ["consulrun/again/lock",

@@ -46,6 +46,17 @@ def lock_entry(agent: Agent, key: str) -> dict | None:
     return response.json()[0]
 
 
+def kv_json(agent: Agent, key: str) -> dict | None:
+    """The JSON value of `key`, or None."""
+    entry = lock_entry(agent, key)
+    return json.loads(base64.b64decode(entry["Value"])) if entry and entry.get("Value") else None
+
+
+def gated_job(started: Path, go: Path) -> list[str]:
+    """A job that says it started (`started`) and runs until the test lets it end (`go`)."""
+    return ["sh", "-c", f"touch {started}; while [ ! -e {go} ]; do sleep 0.1; done"]
+
+
 def pid_alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat", encoding="utf-8") as handle:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import json
 import subprocess
+import uuid
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
@@ -12,7 +13,7 @@ import pytest
 
 from tests.harness.agents import Agent, wait_for
 from tests.test_faults import stop_agent_in
-from tests.test_run import consulrun, finish
+from tests.test_run import consulrun, finish, gated_job, kv_json
 
 pytestmark = pytest.mark.consul
 
@@ -77,20 +78,18 @@ def test_a_trigger_meeting_the_job_running_leaves_it_alone_and_names_the_holder(
     nothing, says who holds the job, and leaves the request for the trigger to withdraw."""
     started, go, second = tmp_path / "started", tmp_path / "go", tmp_path / "second"
     schedule = ["run", "--schedule", "*-01-01 00:00:00 UTC", "--skip-exit-code", "75", "busyjob", "--"]
-    runner = consulrun(*schedule, "sh", "-c", f"touch {started}; while [ ! -e {go} ]; do sleep 0.1; done")
+    runner = consulrun(*schedule, *gated_job(started, go))
     wait_for(started.exists, 20, "the scheduled run to start")
-    now = datetime.now(timezone.utc).isoformat(timespec="seconds").replace("+00:00", "Z")
-    request = {"id": "7d6c4c1e-0000-4000-8000-000000000001", "by": "tester", "at": now, "node": "dev1"}
-    consul.api("PUT", "kv/consulrun/busyjob/trigger", data=json.dumps(request))
+    request = _ask(consul, "busyjob")
     try:
         code, _, err = finish(consulrun(*schedule, "touch", str(second)))
-        holder = json.loads(base64.b64decode(consul.get("kv/consulrun/busyjob/lock")[0]["Value"]))
+        holder = kv_json(consul, "consulrun/busyjob/lock")
     finally:
         go.touch()
     assert code == 75 and not second.exists(), err
     assert (f"a manual run was asked for, but the job is running: dev1 (pid {holder['pid']}, since "
             f"{holder['started']}, session ") in err, err
-    assert json.loads(base64.b64decode(consul.get("kv/consulrun/busyjob/trigger")[0]["Value"])) == request
+    assert kv_json(consul, "consulrun/busyjob/trigger") == request
     assert finish(runner)[0] == 0
 
 
@@ -100,15 +99,21 @@ def test_a_trigger_beside_a_later_occurrence_is_run_as_manual(consul: Agent, tmp
     later = {"occurrence": f"{datetime.now(timezone.utc).year + 1}-01-01T00:00:00Z", "state": "done", "node": "ahead",
              "session": "s", "attempt": 1, "earlier": [], "exit_status": 0}
     consul.api("PUT", "kv/consulrun/laterjob/occurrence", data=json.dumps(later))
-    now = datetime.now(timezone.utc).isoformat(timespec="seconds").replace("+00:00", "Z")
-    consul.api("PUT", "kv/consulrun/laterjob/trigger",
-               data=json.dumps({"id": "7d6c4c1e-0000-4000-8000-000000000002", "by": "tester", "at": now, "node": "dev1"}))
+    _ask(consul, "laterjob")
     ran = tmp_path / "ran"
     code, _, err = finish(consulrun("run", "--schedule", "*-01-01 00:00:00 UTC", "laterjob", "--", "touch", str(ran)))
     assert code == 0 and ran.exists(), err
     assert "for a manual run asked for by tester" in err, err
     assert requests_get(consul, "kv/consulrun/laterjob/trigger") == 404  # consumed
-    assert json.loads(base64.b64decode(consul.get("kv/consulrun/laterjob/occurrence")[0]["Value"])) == later
+    assert kv_json(consul, "consulrun/laterjob/occurrence") == later
+
+
+def _ask(consul: Agent, job: str) -> dict[str, str]:
+    """A fresh trigger request for the dev agent's node, written as `consulrun trigger` writes it; the request."""
+    now = datetime.now(timezone.utc).isoformat(timespec="seconds").replace("+00:00", "Z")
+    request = {"id": str(uuid.uuid4()), "by": "tester", "at": now, "node": "dev1"}
+    consul.api("PUT", f"kv/consulrun/{job}/trigger", data=json.dumps(request))
+    return request
 
 
 def requests_get(agent: Agent, path: str) -> int:

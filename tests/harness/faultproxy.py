@@ -94,6 +94,11 @@ class FaultProxy:
             self.rules.append(rule)
         return rule
 
+    def retire(self, rule: Rule) -> None:
+        """`rule` matches nothing from now on: what it refused is forwarded again."""
+        with self._lock:
+            rule.times = 0
+
     def __enter__(self) -> "FaultProxy":
         self._thread.start()
         return self
