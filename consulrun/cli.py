@@ -16,14 +16,14 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from consulrun import __version__
-from consulrun.durations import LOCK_DELAY_RANGE_MS, TTL_RANGE_MS, range_text
+from consulrun.manifest.durations import LOCK_DELAY_RANGE_MS, TTL_RANGE_MS, range_text
 from consulrun.errors import ConsulrunError, ExitCode, UsageError, os_reason, output_guard
-from consulrun.options import AbsolutePath, Duration, Folder, KvPrefix, consul_config, consul_options
-from consulrun.runcmd import WATCHDOG_JOB, setup_logging as _setup_logging, start
-from consulrun.schema import name_problem
+from consulrun.commands.options import AbsolutePath, Duration, Folder, KvPrefix, consul_config, consul_options
+from consulrun.commands.runargs import WATCHDOG_JOB, setup_logging as _setup_logging, start
+from consulrun.manifest.schema import name_problem
 
 if TYPE_CHECKING:
-    from consulrun.manifest import Manifest
+    from consulrun.manifest.loader import Manifest
 
 
 def _job_problem(job: str) -> str | None:
@@ -109,10 +109,10 @@ def main() -> None:
               help="Absolute path of consulrun as the units' ExecStart= calls it.")
 def generate(manifest: Path, output: str, check: bool, templates: Path | None, consulrun_path: str) -> None:
     """Render MANIFEST into <prefix>-<job>.service/.timer files. MANIFEST may be - (standard input)."""
-    from consulrun.install import plan
-    from consulrun.render import render, write_units
+    from consulrun.units.install import plan
+    from consulrun.units.render import render, write_units
 
-    from consulrun.guarantees import warnings
+    from consulrun.units.guarantees import warnings
 
     loaded, _ = _read_manifest(manifest)
     units = render(loaded, consulrun_path, templates)
@@ -137,7 +137,7 @@ def generate(manifest: Path, output: str, check: bool, templates: Path | None, c
 
 def _read_manifest(manifest: Path) -> tuple["Manifest", str]:
     """Load and validate MANIFEST, or standard input for `-`; also return its text (sent on by `install --host`)."""
-    from consulrun.manifest import parse_manifest  # imported here: `run` should not pay for the validator
+    from consulrun.manifest.loader import parse_manifest  # imported here: `run` should not pay for the validator
 
     text, source = _read_text(manifest)
     return parse_manifest(text, source), text
@@ -217,8 +217,8 @@ def reap(job: str, prefix: str, concurrency: int, **consul: str | None) -> None:
     problem = _job_problem(job)
     if problem:
         raise UsageError(problem)
-    from consulrun.consulapi import Client
-    from consulrun.lock import Locker, LockSpec
+    from consulrun.consul.client import Client
+    from consulrun.protocol.lock import Locker, LockSpec
 
     _setup_logging()
     locker = Locker(Client(consul_config(consul), label=job), LockSpec(job=job, prefix=prefix, concurrency=concurrency))
@@ -267,7 +267,7 @@ def install(manifest: Path, root: Path | None, unit_dir: Path, dry_run: bool, no
     with the same manifest changes nothing. If anything fails, the previous
     units are put back. MANIFEST may be - (standard input).
     """
-    from consulrun.remote import make_bundle, read_hosts
+    from consulrun.units.remote import make_bundle, read_hosts
 
     if stdin_bundle:
         _install_bundle(manifest, root=root, unit_dir=unit_dir, dry_run=dry_run, no_start=no_start,
@@ -296,8 +296,8 @@ def _install_bundle(manifest: Path, **options: Any) -> None:
     """The node's side of `install --host --templates`: templates into a private folder, then the local install."""
     import tempfile
 
-    from consulrun.manifest import parse_manifest
-    from consulrun.remote import open_bundle
+    from consulrun.manifest.loader import parse_manifest
+    from consulrun.units.remote import open_bundle
 
     if str(manifest) != "-":
         raise UsageError("--stdin-bundle reads standard input: give MANIFEST as -")
@@ -308,7 +308,7 @@ def _install_bundle(manifest: Path, **options: Any) -> None:
 
 def _print_report(loaded: "Manifest", *, root: Path | None, unit_dir: Path, dry_run: bool, no_start: bool,
                   templates: Path | None, consulrun_path: str) -> None:
-    from consulrun.install import install_local
+    from consulrun.units.install import install_local
 
     report = install_local(loaded, root=root, unit_dir=unit_dir, dry_run=dry_run, start=not no_start,
                            templates=templates, consulrun_path=consulrun_path)
@@ -321,7 +321,7 @@ def _print_report(loaded: "Manifest", *, root: Path | None, unit_dir: Path, dry_
 
 def _install_remote(hosts: list[str], text: str, remote_argv: list[str], ssh_options: list[str], parallel: int,
                     dry_run: bool) -> None:
-    from consulrun.remote import HostResult, install_all
+    from consulrun.units.remote import HostResult, install_all
 
     def progress(result: HostResult, done: int, total: int) -> None:
         click.echo(f"[{done}/{total}] {result.host}: {'ok' if result.ok else 'FAILED'}: {result.summary}", err=True)
@@ -345,7 +345,7 @@ def _install_remote(hosts: list[str], text: str, remote_argv: list[str], ssh_opt
 
 def _manifest_and_jobs(targets: tuple[str, ...]) -> tuple[Manifest | None, tuple[str, ...]]:
     """Split `[MANIFEST] [JOB]...`: the first argument is a manifest if it has a '/' or ends in .yaml/.yml/.json."""
-    from consulrun.manifest import load_manifest
+    from consulrun.manifest.loader import load_manifest
 
     loaded = None
     if targets and ("/" in targets[0] or targets[0].endswith((".yaml", ".yml", ".json"))):
@@ -393,8 +393,8 @@ def status(targets: tuple[str, ...], prefix: str | None, as_json: bool, watch: b
     """
     from datetime import datetime, timezone
 
-    from consulrun import status as state
-    from consulrun.consulapi import Client
+    from consulrun.report import status as state
+    from consulrun.consul.client import Client
 
     kv_prefix = prefix or "consulrun"
     try:
@@ -423,7 +423,7 @@ def _json(data: object, compact: bool) -> str:
 def _show_status(kv_prefix: str, statuses: list, health: int, as_json: bool, compact: bool) -> None:
     from datetime import datetime, timezone
 
-    from consulrun import status as state
+    from consulrun.report import status as state
 
     now = datetime.now(timezone.utc)
     if as_json:
@@ -446,7 +446,7 @@ def _watch_status(make_client, kv_prefix: str, loaded, jobs: tuple[str, ...], as
     import time
     from datetime import datetime, timezone
 
-    from consulrun import status as state
+    from consulrun.report import status as state
 
     _interruptible()
     index: int | None = None
@@ -511,8 +511,8 @@ def unlock(targets: tuple[str, ...], prefix: str | None, yes: bool, force: bool,
     kill its job (exit 75). Either way lock-delay applies: nobody can take
     the lock for the session's lock-delay. Exit 6 if JOB has no state at all.
     """
-    from consulrun import status as state
-    from consulrun.consulapi import Client
+    from consulrun.report import status as state
+    from consulrun.consul.client import Client
 
     _setup_logging()
     loaded, jobs = _manifest_and_jobs(targets)
@@ -554,7 +554,7 @@ def import_crontab(crontab: Path, system: bool) -> None:
     Lines it cannot convert are reported on stderr with their line numbers
     (exit 2); the manifest of the others is still printed.
     """
-    from consulrun.crontab import CrontabError, convert
+    from consulrun.manifest.crontab import CrontabError, convert
 
     text, source = _read_text(crontab)
     system = system or str(crontab) == "/etc/crontab" or str(crontab.parent) == "/etc/cron.d"
@@ -597,8 +597,8 @@ def watchdog(manifest: Path | None, prefix: str | None, jobs_json: str | None, j
     units `generate` makes for `health_checks: true` run it once a minute
     on one node, under a consulrun lock (job `_watchdog`).
     """
-    from consulrun import health
-    from consulrun.consulapi import Client
+    from consulrun.protocol import health
+    from consulrun.consul.client import Client
 
     if [manifest, jobs_json, jobs_file].count(None) != 2:
         raise UsageError("give one of MANIFEST, --jobs or --jobs-file (the watchdog unit passes --jobs-file)")
@@ -627,7 +627,7 @@ def watchdog(manifest: Path | None, prefix: str | None, jobs_json: str | None, j
               help="KV prefix [default: the manifest's kv_prefix, else consulrun].")
 def acl_policy(manifest: Path | None, prefix: str | None) -> None:
     """Print the least-privilege Consul ACL policy (HCL) the nodes need. MANIFEST may be - (standard input)."""
-    from consulrun.aclpolicy import policy_hcl
+    from consulrun.protocol.aclpolicy import policy_hcl
 
     loaded = _read_manifest(manifest)[0] if manifest else None
     kv_prefix = prefix if prefix is not None else (loaded.kv_prefix if loaded else "consulrun")
@@ -654,8 +654,8 @@ def history(targets: tuple[str, ...], prefix: str | None, as_json: bool, limit: 
     """
     from datetime import datetime, timezone
 
-    from consulrun import history as past
-    from consulrun.consulapi import Client
+    from consulrun.report import history as past
+    from consulrun.consul.client import Client
 
     loaded, jobs = _manifest_and_jobs(targets)
     if len(jobs) != 1:
@@ -676,8 +676,8 @@ def history(targets: tuple[str, ...], prefix: str | None, as_json: bool, limit: 
 def _pause_targets(targets: tuple[str, ...], all_jobs: bool, prefix: str | None,
                    consul: dict[str, str | None]) -> tuple[object, str, list[str]]:
     """(client, kv prefix, jobs) for pause/resume: JOBs named, or --all of the manifest's (else of Consul's)."""
-    from consulrun import status as state
-    from consulrun.consulapi import Client
+    from consulrun.report import status as state
+    from consulrun.consul.client import Client
 
     loaded, jobs = _manifest_and_jobs(targets)
     if bool(jobs) == all_jobs:
@@ -706,7 +706,7 @@ def pause(targets: tuple[str, ...], all_jobs: bool, for_ms: int | None, reason: 
 
     One Consul write for all of them (batches beyond Consul's 128 operations); the skip path stays free of writes.
     """
-    from consulrun import pause as pausing
+    from consulrun.protocol import pause as pausing
 
     client, kv_prefix, jobs = _pause_targets(targets, all_jobs, prefix, consul)
     value = pausing.pause(client, kv_prefix, jobs, for_ms=for_ms or None, reason=reason)
@@ -721,7 +721,7 @@ def pause(targets: tuple[str, ...], all_jobs: bool, for_ms: int | None, reason: 
 @consul_options
 def resume(targets: tuple[str, ...], all_jobs: bool, prefix: str | None, **consul: str | None) -> None:
     """End the pause of JOBs: their next occurrence runs as scheduled (skipped ones are not run again)."""
-    from consulrun import pause as pausing
+    from consulrun.protocol import pause as pausing
 
     client, kv_prefix, jobs = _pause_targets(targets, all_jobs, prefix, consul)
     pausing.resume(client, kv_prefix, jobs)
@@ -752,12 +752,12 @@ def trigger(targets: tuple[str, ...], wait_ms: int, unit: str | None, host: str 
     unit = unit or f"{loaded.unit_prefix if loaded else 'consulrun'}-{job}.service"
     kv_prefix = (prefix if prefix is not None else (loaded.kv_prefix if loaded else "consulrun")).strip("/")
     if host:
-        from consulrun.remote import run_remote
+        from consulrun.units.remote import run_remote
 
         argv = ["trigger", "--wait", f"{wait_ms}ms", "--unit", unit, "--prefix", kv_prefix, job]
         sys.exit(run_remote(host, argv, consul_path=_default_consulrun_path()))  # the same consulrun path as units
-    from consulrun.consulapi import Client
-    from consulrun.trigger import systemctl_start, trigger as run_trigger
+    from consulrun.consul.client import Client
+    from consulrun.protocol.trigger import systemctl_start, trigger as run_trigger
 
     client = Client(consul_config(consul, loaded.consul if loaded else None))
     outcome = run_trigger(client, f"{kv_prefix}/{job}", unit, wait_s=wait_ms / 1000, start_unit=systemctl_start)
@@ -789,7 +789,7 @@ def on_failure(job: str, command: tuple[str, ...], unit: str, skip_exit_code: in
     run's last journal lines, also on its standard input). Its exit status is
     passed through.
     """
-    from consulrun.notify import failure_facts, is_skip, run_on_failure
+    from consulrun.protocol.notify import failure_facts, is_skip, run_on_failure
 
     if command and command[0] == "--":
         command = command[1:]
@@ -831,9 +831,9 @@ def exporter(manifest: Path | None, prefix: str | None, listen: str, textfile: s
     `consul:` settings, as for `status`. If Consul cannot be read, the file
     still gets `consulrun_exporter_consul_up 0` and the exit status says why.
     """
-    from consulrun.consulapi import Client
-    from consulrun.manifest import load_manifest
-    from consulrun.metrics import ClusterMetrics, exposition, parse_listen, serve, write_textfile
+    from consulrun.consul.client import Client
+    from consulrun.manifest.loader import load_manifest
+    from consulrun.report.metrics import ClusterMetrics, exposition, parse_listen, serve, write_textfile
 
     loaded = load_manifest(manifest) if manifest else None
     kv_prefix = prefix or (loaded.kv_prefix if loaded else "consulrun")

@@ -7,7 +7,7 @@ import sys
 
 def main() -> None:
     if sys.argv[1:2] == ["run"]:
-        from consulrun.runcmd import main as run
+        from consulrun.commands.runargs import main as run
 
         run(sys.argv[2:])  # returns only if it leaves the arguments to click
     from consulrun.cli import main as cli

@@ -35,7 +35,7 @@ class ConsulrunError(Exception):
     """Base of every error consulrun reports: `Error: <message>` on stderr, then exit with `exit_code`.
 
     Not a click exception: `run` reports these without importing click (see
-    consulrun/runcmd.py), and the command group reports them the same way.
+    consulrun/commands/runargs.py), and the command group reports them the same way.
     """
 
     exit_code = ExitCode.FAILURE

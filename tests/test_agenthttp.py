@@ -1,4 +1,4 @@
-"""The HTTP/1.1 the client speaks to the agent (consulrun/agenthttp.py).
+"""The HTTP/1.1 the client speaks to the agent (consulrun/consul/transport.py).
 
 The real agent proves the shapes Go's net/http sends (a short answer with
 Content-Length, a long one in chunks, a kept-alive connection reused); a
@@ -17,8 +17,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from consulrun import agenthttp
-from consulrun.consulapi import Client, ConsulConfig
+from consulrun.consul import transport
+from consulrun.consul.client import Client, ConsulConfig
 from consulrun.errors import ConsulUnavailable
 
 
@@ -27,7 +27,7 @@ def test_short_and_chunked_answers_from_the_agent_and_one_connection_for_both(co
     consul.api("PUT", "kv/big/one", data="x")
     for n in range(60):  # a tree listing well past Go's 2 KiB before it switches to chunked coding
         consul.api("PUT", f"kv/big/k{n:03d}", data="v" * 40)
-    conn = agenthttp.Connection(agenthttp.connect_tcp(host, int(port), 10), consul.http_addr)
+    conn = transport.Connection(transport.connect_tcp(host, int(port), 10), consul.http_addr)
     try:
         status, fields, body = conn.request("GET", "/v1/kv/big/one", None, {}, 10)
         assert status == 200 and "content-length" in fields and "transfer-encoding" not in fields
@@ -113,7 +113,7 @@ def scripted() -> Iterator[type[Scripted]]:
 
 def ask(server: Scripted, method: str = "GET", body: bytes | None = None, timeout: float = 10
         ) -> tuple[int, dict[str, str], bytes]:
-    conn = agenthttp.Connection(agenthttp.connect_tcp("127.0.0.1", server.port, 10), f"127.0.0.1:{server.port}")
+    conn = transport.Connection(transport.connect_tcp("127.0.0.1", server.port, 10), f"127.0.0.1:{server.port}")
     try:
         return conn.request(method, "/v1/kv/a%20b?index=3", body, {"X-Consul-Token": "secret"}, timeout)
     finally:
@@ -180,7 +180,7 @@ def test_bytes_after_an_answer_are_never_read_as_the_next_answer(scripted) -> No
     the next request, on a new connection, gets its own answer."""
     first = b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nfirst"
     server = scripted(first + first, b"HTTP/1.1 200 OK\r\nContent-Length: 6\r\n\r\nsecond")
-    conn = agenthttp.Connection(agenthttp.connect_tcp("127.0.0.1", server.port, 10), "here")
+    conn = transport.Connection(transport.connect_tcp("127.0.0.1", server.port, 10), "here")
     assert conn.request("GET", "/one", None, {}, 10)[2] == b"first"
     assert conn.sock is None
     stray = scripted(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n[]\r\n",
@@ -216,7 +216,7 @@ def test_a_host_name_connects_without_loading_the_idna_codec_http_client_or_ssl(
     import sys
 
     port = consul.http_addr.rsplit(":", 1)[1]
-    probe = ("import sys; from consulrun.consulapi import Client, ConsulConfig; "
+    probe = ("import sys; from consulrun.consul.client import Client, ConsulConfig; "
              f"print(Client(ConsulConfig(address='localhost:{port}')).kv_get('nothing')[1]); "
              "print('encodings.idna' in sys.modules, 'http.client' in sys.modules, 'ssl' in sys.modules)")
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from consulrun import calendar
+from consulrun.manifest import calendar
 from tests.conftest import require_tool
 
 pytestmark = pytest.mark.systemd

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from consulrun import child
+from consulrun.protocol import child
 
 
 def state(pid: int) -> bytes:
@@ -47,7 +47,7 @@ def test_a_zombie_is_not_a_live_process_but_is_still_a_child_and_stays_unreaped(
 
 def test_a_process_without_children_has_none() -> None:
     # In a fresh interpreter: the test process itself may have children (the suite's agents).
-    code = "from consulrun.child import _has_children; print(_has_children())"
+    code = "from consulrun.protocol.child import _has_children; print(_has_children())"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
                             cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert (result.returncode, result.stdout, result.stderr) == (0, "False\n", "")
@@ -59,7 +59,7 @@ def test_a_job_that_proc_does_not_show_is_alive_while_the_kernel_still_has_it_as
     In a fresh interpreter, so the job is the wrapper's only child (as under `consulrun run`)."""
     probe = "\n".join([
         "import os, signal, sys, time",
-        "from consulrun import child",
+        "from consulrun.protocol import child",
         "job = child.Job(['sleep', '60'], dict(os.environ))",
         "child.descendants = lambda exclude=frozenset(): []  # what /proc shows under hidepid=2: nothing",
         "assert job.processes() == []",

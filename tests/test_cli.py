@@ -97,7 +97,7 @@ def test_unix_socket_address_reaches_the_agent(ipv6_agent: Agent, tmp_path: Path
 @pytest.mark.consul
 def test_unix_socket_client_talks_to_the_agent(ipv6_agent: Agent) -> None:
     """The Client sends every call to the socket a unix:///path address names; a missing socket is one clear line."""
-    from consulrun.consulapi import Client, ConsulConfig, decoded, kv_op
+    from consulrun.consul.client import Client, ConsulConfig, decoded, kv_op
     from consulrun.errors import ConsulUnavailable
 
     config = ConsulConfig.from_env({}, address=f"unix://{ipv6_agent.extra['socket']}")
@@ -256,8 +256,8 @@ def test_man_pages_are_built_from_the_help_by_the_documented_command(tmp_path: P
 def test_units_documentation_points_at_our_man_pages(tmp_path: Path) -> None:
     import re
 
-    from consulrun.manifest import parse_manifest
-    from consulrun.render import render
+    from consulrun.manifest.loader import parse_manifest
+    from consulrun.units.render import render
 
     units = render(parse_manifest(MANIFEST, "jobs.yaml"), "/x/consulrun")
     refs = {ref for text in units.values() for line in text.splitlines() if line.startswith("Documentation=")

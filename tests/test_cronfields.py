@@ -22,7 +22,7 @@ import oncalendar
 import pytest
 from cronsim import CronSim
 
-from consulrun.cronfields import CronError, MACROS, looks_like_cron, to_oncalendar
+from consulrun.manifest.cronfields import CronError, MACROS, looks_like_cron, to_oncalendar
 from tests.conftest import require_tool
 
 CASES = Path(__file__).parent / "cron_cases.txt"

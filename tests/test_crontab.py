@@ -11,8 +11,8 @@ import yaml
 from click.testing import CliRunner
 
 from consulrun.cli import main
-from consulrun.crontab import split_percent
-from consulrun.manifest import parse_manifest
+from consulrun.manifest.crontab import split_percent
+from consulrun.manifest.loader import parse_manifest
 from tests.conftest import require_tool
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"

@@ -7,8 +7,8 @@ import subprocess
 
 import pytest
 
-from consulrun.durations import PATTERN, DurationError, format_duration, parse_duration
-from consulrun.schema import SCHEMA
+from consulrun.manifest.durations import PATTERN, DurationError, format_duration, parse_duration
+from consulrun.manifest.schema import SCHEMA
 from tests.conftest import require_tool
 
 # text -> milliseconds (None: refused). Each one is also put to systemd-analyze below.

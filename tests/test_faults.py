@@ -1,7 +1,7 @@
 """Every guarantee at every instant: faults landed between two steps of the protocol, against a real Consul.
 
 Where a fault must land at a precise point, the wrapper is paused there by a
-test hook (consulrun/testhook.py) and the test acts while it waits: no timing luck.
+test hook (consulrun/protocol/testhook.py) and the test acts while it waits: no timing luck.
 """
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ from pathlib import Path
 import pytest
 import requests
 
-from consulrun import calendar
+from consulrun.manifest import calendar
 from consulrun.errors import UsageError
-from consulrun.fencing import Fencing, stop_timeout_ms
+from consulrun.protocol.fencing import Fencing, stop_timeout_ms
 from tests.harness.agents import Agent, wait_for
 from tests.test_run import SKIP, consulrun, finish, gated_job, kv_json, lock_entry, pid_alive
 
@@ -488,7 +488,7 @@ def test_fencing_token_is_the_lock_keys_modify_index(consul: Agent, tmp_path: Pa
     assert str(index) == token and holder == session
     # Every field of the holder value, as README and the status/reap checks rely on them.
     from consulrun import __version__
-    from consulrun.procinfo import boot_id, pid_namespace
+    from consulrun.protocol.procinfo import boot_id, pid_namespace
 
     assert set(value) == {"job", "node", "host", "pid", "pid_start", "boot_id", "pid_ns", "time_ns", "started",
                           "session", "consulrun_version"}  # no unit or invocation id outside systemd
@@ -751,7 +751,7 @@ def test_reap_looks_past_a_slot_held_from_another_machine(consul: Agent) -> None
     """--concurrency 2: slot 0 held from another machine (nothing to tell from here), slot 1 by a dead wrapper of
     this node. reap destroys the dead one's session and leaves the other alone (it used to be able to stop at the
     first slot it could not judge)."""
-    from consulrun.procinfo import boot_id, pid_namespace, process_start, time_namespace
+    from consulrun.protocol.procinfo import boot_id, pid_namespace, process_start, time_namespace
 
     gone = subprocess.Popen(["sleep", "30"])
     started = process_start(gone.pid)

@@ -12,8 +12,8 @@ import pytest
 from click.testing import CliRunner
 
 from consulrun.cli import main
-from consulrun.manifest import load_manifest
-from consulrun.render import render
+from consulrun.manifest.loader import load_manifest
+from consulrun.units.render import render
 from tests.conftest import GOLDEN_REWRITTEN, require_tool
 
 REPO = Path(__file__).resolve().parents[1]

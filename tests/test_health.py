@@ -16,8 +16,8 @@ from typing import Any
 
 import pytest
 
-from consulrun import health
-from consulrun.consulapi import Client, ConsulConfig
+from consulrun.protocol import health
+from consulrun.consul.client import Client, ConsulConfig
 from tests.harness.agents import Agent, wait_for
 from tests.test_run import _raft_applied, consulrun, finish, lock_entry
 from tests.test_status import cli, hold, iso, put, write_manifest
@@ -254,7 +254,7 @@ def test_a_run_finishing_while_the_watchdog_judges_wins(catalog: Agent, tmp_path
                 assert finish(consulrun("run", "--health-check", "--schedule", "minutely", "racer", "--", "true"))[0] == 0
             return seen
 
-    from consulrun.manifest import load_manifest
+    from consulrun.manifest.loader import load_manifest
 
     client = RunFinishesMeanwhile(ConsulConfig(address=catalog.http_addr))
     report = health.watchdog(client, "consulrun", health.Watched.from_manifest(load_manifest(manifest)), grace_s=1)
@@ -264,8 +264,8 @@ def test_a_run_finishing_while_the_watchdog_judges_wins(catalog: Agent, tmp_path
 
 def test_watchdog_runs_under_its_own_lock_as_its_unit_runs_it(catalog: Agent, tmp_path: Path) -> None:
     manifest = write_manifest(tmp_path, '  job1: {command: "true", schedule: "minutely"}\n', "health_checks: true\n")
-    from consulrun.manifest import load_manifest
-    from consulrun.render import watchdog_job, watchdog_jobs_text
+    from consulrun.manifest.loader import load_manifest
+    from consulrun.units.render import watchdog_job, watchdog_jobs_text
 
     loaded = load_manifest(manifest)
     job = watchdog_job(loaded, "consulrun")

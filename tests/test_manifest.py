@@ -9,8 +9,8 @@ import pytest
 from click.testing import CliRunner
 
 from consulrun.cli import main
-from consulrun.durations import DurationError, format_duration, parse_duration
-from consulrun.manifest import LockSettings, load_manifest
+from consulrun.manifest.durations import DurationError, format_duration, parse_duration
+from consulrun.manifest.loader import LockSettings, load_manifest
 from tests.conftest import require_tool
 
 OK_JOB = "    command: [/bin/true]\n    schedule: daily\n"
@@ -376,9 +376,9 @@ def test_parsing_pauses_the_cyclic_collector_and_gives_it_back_as_it_was() -> No
     a process that parses manifests again and again (a test run, a long-lived caller) keeps collecting."""
     import gc
 
-    from consulrun import manifest
+    from consulrun.manifest import loader as manifest
     from consulrun.errors import ManifestError
-    from consulrun.manifest import parse_manifest
+    from consulrun.manifest.loader import parse_manifest
 
     seen: list[bool] = []
     real_load = manifest.load

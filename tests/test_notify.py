@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from consulrun.notify import ping_url_problem, result_suffix
+from consulrun.protocol.notify import ping_url_problem, result_suffix
 from tests.harness.agents import Agent, wait_for
 from tests.test_run import SKIP, consulrun, finish
 

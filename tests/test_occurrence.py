@@ -269,7 +269,7 @@ def test_several_schedules_with_zones_take_the_latest(consul: Agent, tmp_path: P
     args = [a for spec in specs for a in ("--schedule", spec)]
     code, _, err = finish(consulrun("run", *args, "multi", "--", "sh", "-c", f"echo $CONSULRUN_OCCURRENCE > {seen}"))
     assert code == 0, err
-    from consulrun import calendar
+    from consulrun.manifest import calendar
 
     latest = max(calendar.previous([spec], datetime.now(timezone.utc)) for spec in specs)
     assert seen.read_text().strip() == calendar.occurrence_id(latest)
@@ -300,8 +300,8 @@ def test_a_claim_closes_a_dead_earlier_occurrence_in_the_history_and_records_its
     """A record left `running` by a runner that died in last year's occurrence: this year's claim writes last year's
     history entry as abandoned (no gap in the history), and its own record names the schedule and the zone. That
     record is as an older consulrun wrote it, with no zone offsets: a zone-less spec is not refused for it."""
-    from consulrun import calendar
-    from consulrun.occurrence import ABANDONED_REASON
+    from consulrun.manifest import calendar
+    from consulrun.protocol.occurrence import ABANDONED_REASON
 
     spec = "*-01-01 00:00:00"  # in the system zone
     when = calendar.previous([spec], datetime.now(timezone.utc))
@@ -331,7 +331,7 @@ def test_a_second_takeover_keeps_every_earlier_attempt(consul: Agent, tmp_path: 
     """retry: an occurrence already taken over once, whose second attempt was then lost (or whose runner died
     without a word: its record still `running`, its session gone), is taken over again as attempt 3, its record
     keeping both earlier attempts in order (a lost one as it was recorded, with its own reason)."""
-    from consulrun.occurrence import ABANDONED_REASON
+    from consulrun.protocol.occurrence import ABANDONED_REASON
 
     year = datetime.now(timezone.utc).year
     this = f"{year}-01-01T00:00:00Z"
@@ -363,7 +363,7 @@ def test_a_second_takeover_keeps_every_earlier_attempt(consul: Agent, tmp_path: 
 
 def _ranked(key: str, names: list[str], servers: tuple[str, ...] = ("node1",)) -> list[str]:
     """`names` in turn order for `key` as a client sees it (the cluster fixture's node1 is a server)."""
-    from consulrun import turns
+    from consulrun.protocol import turns
 
     return turns.order(key, [(name, name in servers) for name in names])
 
@@ -373,7 +373,7 @@ def _yearly(job: str) -> str:
 
 
 def test_turns_are_one_order_per_occurrence_spread_evenly_and_a_leaver_moves_only_its_share() -> None:
-    from consulrun.turns import RANK_STEP_S, TURN_MAX_S, order, turn_at_most_s, wait_s
+    from consulrun.protocol.turns import RANK_STEP_S, TURN_MAX_S, order, turn_at_most_s, wait_s
 
     # README: steps of 2 s, at most 3 of them, at most a tenth of the time left before the next occurrence
     assert (RANK_STEP_S, TURN_MAX_S, turn_at_most_s(None), turn_at_most_s(30), turn_at_most_s(-1)) == (2, 6, 6, 3, 0)
@@ -443,7 +443,7 @@ def test_nodes_firing_together_leave_the_occurrence_to_the_first_ranked(cluster:
     assert (tmp_path / "elsewhere").read_text().split() == [second]
 
     # A dense schedule: the turn is at most a tenth of the time left before the next occurrence (here under 1 s).
-    from consulrun import calendar
+    from consulrun.manifest import calendar
 
     while time.time() % 10 > 6:  # the occurrence must not change between the order computed here and the run
         time.sleep(0.2)

@@ -46,7 +46,7 @@ def test_wheel_ships_templates_and_renders_from_installed_copy(tmp_path: Path) -
     py = env_dir / "bin" / "python"
     subprocess.run([str(py), "-m", "pip", "install", "-q", str(wheel)], check=True, capture_output=True)
     # Run from an unrelated folder so the source tree's templates/ cannot be found.
-    where = subprocess.run([str(py), "-c", "from consulrun.render import shipped_templates; print(shipped_templates())"],
+    where = subprocess.run([str(py), "-c", "from consulrun.units.render import shipped_templates; print(shipped_templates())"],
                            cwd=tmp_path, capture_output=True, text=True, check=True).stdout.strip()
     assert where.startswith(str(env_dir)), where
     assert sorted(p.name for p in Path(where).iterdir()) == ["onfailure.j2", "service.j2", "timer.j2"]

@@ -226,8 +226,8 @@ def test_pause_that_ran_out_lists_its_skips_and_is_filed_by_the_next_pause(consu
 
 
 def test_pause_episodes_kept_are_bounded(consul: Agent) -> None:
-    from consulrun.consulapi import Client, ConsulConfig
-    from consulrun.pause import KEPT_EPISODES, pause, resume
+    from consulrun.consul.client import Client, ConsulConfig
+    from consulrun.protocol.pause import KEPT_EPISODES, pause, resume
 
     client = Client(ConsulConfig.from_env({}, address=consul.http_addr))
     for n in range(KEPT_EPISODES + 3):
@@ -241,7 +241,7 @@ def test_pause_episodes_kept_are_bounded(consul: Agent) -> None:
 def test_occurrences_skipped_while_paused_are_derived_exactly_and_are_not_missed() -> None:
     """No Consul: the derivation on a fixed clock. A filed pause and one that ran out by itself, runs on both
     sides; an occurrence inside a pause that a node ran anyway (a timer that fired before the pause) is a run."""
-    from consulrun import history, status
+    from consulrun.report import history, status
 
     def entry(value: dict) -> dict:
         return {"Value": json.dumps(value)}
@@ -280,8 +280,8 @@ def test_occurrences_skipped_while_paused_are_derived_exactly_and_are_not_missed
 
 def test_pause_and_resume_of_more_jobs_than_one_transaction_holds(consul: Agent) -> None:
     """Consul refuses a transaction of more than 128 operations: many jobs go in batches, each job's keys together."""
-    from consulrun.consulapi import Client, ConsulConfig
-    from consulrun.pause import pause, resume
+    from consulrun.consul.client import Client, ConsulConfig
+    from consulrun.protocol.pause import pause, resume
 
     client = Client(ConsulConfig.from_env({}, address=consul.http_addr))
     jobs = [f"job{n:03d}" for n in range(150)]
@@ -294,8 +294,8 @@ def test_pause_and_resume_of_more_jobs_than_one_transaction_holds(consul: Agent)
 
 def test_a_resume_within_an_occurrences_second_still_covers_it(consul: Agent) -> None:
     """`ended` is rounded up: nodes skipped the 12:12:00 occurrence at .138, the resume came at .618."""
-    from consulrun.consulapi import Client, ConsulConfig
-    from consulrun.pause import pause, resume
+    from consulrun.consul.client import Client, ConsulConfig
+    from consulrun.protocol.pause import pause, resume
 
     client = Client(ConsulConfig.from_env({}, address=consul.http_addr))
     pause(client, "consulrun", ["roundup"], for_ms=None, reason="r",

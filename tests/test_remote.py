@@ -21,7 +21,7 @@ import pytest
 from click.testing import CliRunner
 
 from consulrun.cli import main
-from consulrun.remote import host_problem, remote_command, ssh_argv
+from consulrun.units.remote import host_problem, remote_command, ssh_argv
 from tests.conftest import require_tool
 from tests.harness.agents import free_port, wait_for
 

@@ -1,4 +1,4 @@
-"""`run`'s lean reader (consulrun/runcmd.py): click's `run` read the same way, on the timer's hot path without click."""
+"""`run`'s lean reader (consulrun/commands/runargs.py): click's `run` read the same way, on the timer's hot path without click."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from consulrun import cli
-from consulrun.runcmd import OPTIONS, read
+from consulrun.commands.runargs import OPTIONS, read
 from tests.harness.agents import Agent
 from tests.test_run import lock_entry
 
@@ -116,7 +116,7 @@ def test_a_run_started_as_units_start_it_does_not_import_click_and_runs_as_click
                            "sh", "-c", "echo $CONSULRUN_JOB"], env={**os.environ, **env}, capture_output=True,
                           text=True, timeout=60)
     imported = {line.split("|")[-1].strip() for line in lean.stderr.splitlines() if line.startswith("import time:")}
-    assert {"consulrun.lock", "consulrun.runner"} <= imported, sorted(imported)  # it did run the job's path
+    assert {"consulrun.protocol.lock", "consulrun.protocol.runner"} <= imported, sorted(imported)  # it did run the job's path
     assert not {m for m in imported if m == "click" or m.startswith("click.")}, sorted(imported)
     # The same arguments through click's command: the same outcome, the same lines.
     via_click = subprocess.run([sys.executable, "-c", "from consulrun.cli import main; main()", "run", "--ttl", "10s",
@@ -135,7 +135,7 @@ def test_a_run_started_as_units_start_it_does_not_import_click_and_runs_as_click
 # TLS, typing, dataclasses with inspect, hashlib (OpenSSL) without turns to rank, subprocess without a job, the
 # cron converter for an OnCalendar= spec.
 NOT_ON_THE_SKIP_PATH = {"click", "http.client", "email", "ssl", "typing", "dataclasses", "inspect", "hashlib",
-                        "subprocess", "consulrun.cronfields", "urllib.parse"}
+                        "subprocess", "consulrun.manifest.cronfields", "urllib.parse"}
 
 
 @pytest.mark.consul
@@ -156,7 +156,7 @@ def test_a_skipping_run_loads_none_of_what_it_does_not_use(consul: Agent, tmp_pa
             assert skip.returncode == 0 and said in skip.stderr, skip.stderr[-2000:]
             imported = {line.split("|")[-1].strip() for line in skip.stderr.splitlines()
                         if line.startswith("import time:")}
-            assert {"consulrun.lock", "consulrun.runner"} <= imported, sorted(imported)
+            assert {"consulrun.protocol.lock", "consulrun.protocol.runner"} <= imported, sorted(imported)
             assert not {m for m in imported if m.split(".")[0] in NOT_ON_THE_SKIP_PATH or m in NOT_ON_THE_SKIP_PATH}, \
                 sorted(imported)
     finally:

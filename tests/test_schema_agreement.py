@@ -17,7 +17,7 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from consulrun.schema import SCHEMA, conforms
+from consulrun.manifest.schema import SCHEMA, conforms
 
 ROOT = Path(__file__).resolve().parents[1]
 

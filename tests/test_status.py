@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 from click.testing import CliRunner
 
-from consulrun import procinfo
+from consulrun.protocol import procinfo
 from consulrun.cli import main
 from tests.harness.agents import Agent, start_dev_agent, wait_for
 from tests.test_acl_tls import _acl, _token_file, acl_agent  # noqa: F401 - the fixture is used by name

@@ -19,8 +19,8 @@ pytestmark = pytest.mark.consul
 
 
 def test_trigger_while_the_job_runs_says_so_and_starts_nothing(consul: Agent, tmp_path: Path) -> None:
-    from consulrun.consulapi import Client, ConsulConfig
-    from consulrun.trigger import NotTriggered, trigger
+    from consulrun.consul.client import Client, ConsulConfig
+    from consulrun.protocol.trigger import NotTriggered, trigger
 
     started = tmp_path / "started"
     holder = consulrun("run", "busy", "--", "sh", "-c", f"touch {started}; sleep 60")
@@ -43,9 +43,9 @@ def test_a_trigger_beside_a_done_occurrence_is_run_once_as_manual_by_the_run_it_
     """The run side of a trigger on the dev agent (the unit started by calling what its ExecStart= runs): the
     request is taken by that one run although the occurrence is done, consumed, and recorded as manual; the next
     run is the scheduled one again, already done."""
-    from consulrun.consulapi import Client, ConsulConfig
-    from consulrun.pause import who
-    from consulrun.trigger import trigger
+    from consulrun.consul.client import Client, ConsulConfig
+    from consulrun.protocol.pause import who
+    from consulrun.protocol.trigger import trigger
 
     ran = tmp_path / "ran"
     run = ["run", "--schedule", "*-01-01 00:00:00 UTC", "manualjob", "--", "sh", "-c", f"echo x >> {ran}"]

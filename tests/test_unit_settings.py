@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from consulrun import unitsettings
+from consulrun.manifest import unitsettings
 from consulrun.cli import main
-from consulrun.manifest import load_manifest, parse_manifest
-from consulrun.render import render
+from consulrun.manifest.loader import load_manifest, parse_manifest
+from consulrun.units.render import render
 from tests.conftest import require_tool
 
 GOLDEN = Path(__file__).parent / "golden"

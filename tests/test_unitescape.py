@@ -11,11 +11,11 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from consulrun import unitescape
-from consulrun.manifest import validate
-from consulrun.render import render, run_argv
-from consulrun.unitescape import Context, UnrepresentableError, escape
-from consulrun.yamlsource import Located
+from consulrun.manifest import unitescape
+from consulrun.manifest.loader import validate
+from consulrun.units.render import render, run_argv
+from consulrun.manifest.unitescape import Context, UnrepresentableError, escape
+from consulrun.manifest.yamlsource import Located
 
 TABLE = [
     ("plain", Context.EXEC_ARG, "plain"),

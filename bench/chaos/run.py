@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from types import FrameType
 
-from consulrun.durations import parse_duration
+from consulrun.manifest.durations import parse_duration
 
 from bench.chaos.checker import check
 from bench.chaos.logs import AppendLog

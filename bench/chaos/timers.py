@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
-from consulrun import calendar
-from consulrun.child import live_processes
+from consulrun.manifest import calendar
+from consulrun.protocol.child import live_processes
 
 from bench.chaos.logs import AppendLog
 from tests.harness.agents import Agent

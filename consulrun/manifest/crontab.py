@@ -22,7 +22,7 @@ from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 import yaml
 
-from consulrun import cronfields, shellsyntax
+from consulrun.manifest import cronfields, shellsyntax
 from consulrun.errors import ManifestError, UsageError
 
 _ENV = re.compile(r"\s*(?P<name>\"[^\"]*\"|'[^']*'|[^=\s]+)\s*=\s*(?P<value>.*?)\s*")
@@ -124,7 +124,7 @@ def _job_name(command: str, taken: set[str]) -> str:
 
 
 def _never_fires(specs: list[str]) -> bool:
-    from consulrun import calendar
+    from consulrun.manifest import calendar
 
     return calendar.following(specs, datetime(2000, 1, 1, tzinfo=timezone.utc)) is None
 
@@ -253,7 +253,7 @@ def _printable(text: str) -> str:
 def _job_problem(job: _Job) -> str | None:
     """Why the job would not load as a manifest (a value a unit file cannot hold), or None."""
     from consulrun.errors import ManifestError
-    from consulrun.manifest import parse_manifest
+    from consulrun.manifest.loader import parse_manifest
 
     try:
         parse_manifest(yaml.safe_dump({"jobs": job.data}), "-")
@@ -265,7 +265,7 @@ def _job_problem(job: _Job) -> str | None:
 def _self_check(manifest: str, source: str) -> None:
     """What import-crontab prints must load as a manifest; a value that cannot (a NUL) is a one-line error."""
     from consulrun.errors import ManifestError
-    from consulrun.manifest import parse_manifest
+    from consulrun.manifest.loader import parse_manifest
 
     if manifest:
         try:

@@ -31,10 +31,10 @@ import logging
 from dataclasses import dataclass, field
 from datetime import datetime
 
-from consulrun import status as state
-from consulrun.consulapi import Client
+from consulrun.report import status as state
+from consulrun.consul.client import Client
 from consulrun.errors import ConsulProtocolError, PermissionDenied, UsageError
-from consulrun.pause import describe as describe_pause
+from consulrun.protocol.pause import describe as describe_pause
 
 TYPE_CHECKING = False  # typing's own flag without importing typing on every run
 if TYPE_CHECKING:
@@ -167,7 +167,7 @@ class Watched:
                                 for name, v in sorted(data.items())))
         except (ValueError, TypeError, KeyError, AttributeError) as exc:
             raise ValueError(f"not the watchdog's job list ({type(exc).__name__}: {exc})") from None
-        from consulrun.schema import schedule_problem
+        from consulrun.manifest.schema import schedule_problem
 
         for job in watched.jobs:
             problems = [p for p in map(schedule_problem, job.schedules) if p] or \

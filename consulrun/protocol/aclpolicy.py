@@ -13,7 +13,7 @@ def policy_hcl(kv_prefix: str, service_checks: bool, health_checks: bool = False
     a job's check (a service check: service write), the watchdog registers the
     node (node write). Nothing else is granted.
     """
-    from consulrun.health import node_name
+    from consulrun.protocol.health import node_name
 
     prefix = kv_prefix.strip("/") + "/"
     rules = [

@@ -17,15 +17,15 @@ from __future__ import annotations
 import os
 import sys
 
-from consulrun.durations import DURATION_MAX_MS, LOCK_DELAY_RANGE_MS, TTL_RANGE_MS, DurationError, parse_duration
+from consulrun.manifest.durations import DURATION_MAX_MS, LOCK_DELAY_RANGE_MS, TTL_RANGE_MS, DurationError, parse_duration
 from consulrun.errors import ConsulrunError, UsageError, output_guard
-from consulrun.schema import kv_prefix_problem, name_problem, schedule_problem
+from consulrun.manifest.schema import kv_prefix_problem, name_problem, schedule_problem
 
 TYPE_CHECKING = False  # typing's own flag without importing typing on every run
 if TYPE_CHECKING:
     from typing import Any, Callable, NoReturn
 
-WATCHDOG_JOB = "_watchdog"  # consulrun.health.WATCHDOG_JOB, kept here so `run` imports nothing more
+WATCHDOG_JOB = "_watchdog"  # consulrun.protocol.health.WATCHDOG_JOB, kept here so `run` imports nothing more
 
 
 class _Declined(Exception):
@@ -164,7 +164,7 @@ def start(job: str, command: tuple[str, ...], prefix: str, ttl: int, lock_delay:
         if problem:
             raise UsageError(f"--schedule: {problem}")
     if ping_url is not None:
-        from consulrun.notify import ping_url_problem
+        from consulrun.protocol.notify import ping_url_problem
 
         problem = ping_url_problem(ping_url)
         if problem:
@@ -177,9 +177,9 @@ def start(job: str, command: tuple[str, ...], prefix: str, ttl: int, lock_delay:
                          "write consulrun run [OPTIONS] JOB -- COMMAND [ARG]...")
     if not command:
         raise UsageError("no command given: consulrun run JOB -- COMMAND [ARG]...")
-    from consulrun.consulapi import consul_config
-    from consulrun.lock import LockSpec
-    from consulrun.runner import RunRequest, run as run_job
+    from consulrun.consul.client import consul_config
+    from consulrun.protocol.lock import LockSpec
+    from consulrun.protocol.runner import RunRequest, run as run_job
 
     spec = LockSpec(job=job, prefix=prefix, ttl_ms=ttl, lock_delay_ms=lock_delay, checks=checks, wait_ms=wait,
                     concurrency=concurrency)

@@ -8,13 +8,13 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from consulrun.durations import DURATION_MAX_MS, DurationError, format_duration, parse_duration, range_text
+from consulrun.manifest.durations import DURATION_MAX_MS, DurationError, format_duration, parse_duration, range_text
 from consulrun.errors import UsageError
-from consulrun.schema import kv_prefix_problem
+from consulrun.manifest.schema import kv_prefix_problem
 
 if TYPE_CHECKING:
-    from consulrun.consulapi import ConsulConfig
-    from consulrun.manifest import ConsulSettings
+    from consulrun.consul.client import ConsulConfig
+    from consulrun.manifest.loader import ConsulSettings
 
 
 def _option_name(param: click.Parameter | None) -> str:
@@ -105,7 +105,7 @@ def consul_options(func: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def consul_config(kwargs: dict[str, Any], manifest_consul: "ConsulSettings | None" = None) -> "ConsulConfig":
-    """consulrun.consulapi.consul_config, imported only by the commands that talk to Consul."""
-    from consulrun.consulapi import consul_config as build
+    """consulrun.consul.client.consul_config, imported only by the commands that talk to Consul."""
+    from consulrun.consul.client import consul_config as build
 
     return build(kwargs, manifest_consul)

@@ -23,7 +23,7 @@ import getpass
 import socket
 from datetime import datetime, timedelta, timezone
 
-from consulrun.consulapi import Client, decoded, kv_op
+from consulrun.consul.client import Client, decoded, kv_op
 from consulrun.errors import ConsulProtocolError
 from consulrun.timefmt import parse_time
 
@@ -208,7 +208,7 @@ def skipped(found: list[dict[str, Any]], schedules: list[str], ran: set[str], no
     costs `limit` steps, not one per occurrence. Only occurrences later than
     `after` count.
     """
-    from consulrun import calendar  # `run` reads the pause key on every tick; it needs none of this
+    from consulrun.manifest import calendar  # `run` reads the pause key on every tick; it needs none of this
 
     out: list[tuple[str, dict[str, Any]]] = []
     if not schedules:
@@ -235,7 +235,7 @@ def since(keys: dict[str, dict[str, Any]], schedules: list[str], last: str | Non
           limit: int = 10) -> tuple[list[dict[str, Any]], bool]:
     """For `status`: (the newest occurrences skipped while paused after the last claimed one, `last`; whether the
     latest occurrence due, `lag_s` ago, fell inside a pause, so that not claiming it was no miss)."""
-    from consulrun import calendar
+    from consulrun.manifest import calendar
 
     found = episodes(keys, now)
     if not found or not schedules:

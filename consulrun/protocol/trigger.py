@@ -16,10 +16,10 @@ import signal
 import time
 from datetime import datetime, timezone
 
-from consulrun.consulapi import Client, decoded, kv_op
+from consulrun.consul.client import Client, decoded, kv_op
 from consulrun.errors import ConsulrunError
-from consulrun.lock import describe_holder
-from consulrun.pause import describe, in_force, pause_key, value_of, who
+from consulrun.protocol.lock import describe_holder
+from consulrun.protocol.pause import describe, in_force, pause_key, value_of, who
 from consulrun.records import record
 
 TYPE_CHECKING = False  # typing's own flag without importing typing on every run

@@ -23,17 +23,17 @@ import time
 from datetime import datetime, timezone
 from types import FrameType
 
-from consulrun import testhook
-from consulrun.consulapi import Client, ConsulConfig
+from consulrun.protocol import testhook
+from consulrun.consul.client import Client, ConsulConfig
 from consulrun.errors import ConsulrunError, ConsulUnavailable, ExitCode, JobNotStarted, UsageError
-from consulrun.lock import Fencing, Held, Interrupted, Locker, LockSpec, Watcher, clock, now_iso as _now
+from consulrun.protocol.lock import Fencing, Held, Interrupted, Locker, LockSpec, Watcher, clock, now_iso as _now
 from consulrun.records import record
 
 TYPE_CHECKING = False  # typing's own flag without importing typing on every run
 if TYPE_CHECKING:  # a skipping run imports none of these (issue: lean hot path)
     from typing import Any, Callable
-    from consulrun import occurrence
-    from consulrun.child import Job
+    from consulrun.protocol import occurrence
+    from consulrun.protocol.child import Job
 
 log = logging.getLogger("consulrun")
 
@@ -199,7 +199,7 @@ def _start_retry_budget(request: RunRequest) -> float:
     """Transient answers at start are retried this long: START_RETRY_S, and at most half the occurrence's span."""
     if not request.schedules:
         return START_RETRY_S
-    from consulrun import occurrence
+    from consulrun.protocol import occurrence
 
     occ = occurrence.current(list(request.schedules), datetime.now(timezone.utc))
     if occ is None or occ.next_when is None:
@@ -249,7 +249,7 @@ def _acquire_with_retries(request: RunRequest, locker: Locker) -> tuple[Held | N
             if not request.schedules:
                 held, why = locker.acquire()
                 return held, None, None, why
-            from consulrun import occurrence
+            from consulrun.protocol import occurrence
 
             occ = occurrence.current(list(request.schedules), datetime.now(timezone.utc))
             if occ is None:
@@ -283,7 +283,7 @@ def _run_held(request: RunRequest, locker: Locker, held: Held, fencing: Fencing,
     job: Job | None = None
     outcome: dict[str, Any] = {}
     status: int = ExitCode.SOFTWARE
-    from consulrun.notify import Pings
+    from consulrun.protocol.notify import Pings
 
     pings = Pings(request.ping_url, spec.job)
     try:
@@ -293,7 +293,7 @@ def _run_held(request: RunRequest, locker: Locker, held: Held, fencing: Fencing,
             log.info("%s: %s after acquiring the lock; the job is not started", spec.job, signal.Signals(signum).name)
             outcome = {"lost": f"{signal.Signals(signum).name} before the job started"}
             return 128 + signum
-        from consulrun.child import Job, become_subreaper
+        from consulrun.protocol.child import Job, become_subreaper
 
         become_subreaper()
         _confirm_before_start(locker, held, watcher, fencing)
@@ -406,7 +406,7 @@ def _health_check(request: RunRequest) -> Callable[[dict[str, Any]], dict[str, A
     if not request.health_check:
         return None
     spec = request.spec
-    from consulrun.health import finish_op
+    from consulrun.protocol.health import finish_op
 
     return lambda last: finish_op(spec.prefix, spec.job, last)
 

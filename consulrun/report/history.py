@@ -14,9 +14,9 @@ from __future__ import annotations
 
 from datetime import datetime, timezone
 
-from consulrun import pause
-from consulrun.consulapi import Client, decoded
-from consulrun.status import NoState, parse_time, probe, seconds_between
+from consulrun.protocol import pause
+from consulrun.consul.client import Client, decoded
+from consulrun.report.status import NoState, parse_time, probe, seconds_between
 
 TYPE_CHECKING = False  # typing's own flag without importing typing on every run
 if TYPE_CHECKING:

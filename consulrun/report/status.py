@@ -17,15 +17,17 @@ from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta, timezone
 from typing import TYPE_CHECKING, Any, Callable
 
-from consulrun import calendar, procinfo
-from consulrun.consulapi import Client, decoded
+from consulrun.manifest import calendar
+
+from consulrun.protocol import procinfo
+from consulrun.consul.client import Client, decoded
 from consulrun.errors import ConsulrunError, PermissionDenied
-from consulrun.pause import in_force as pause_in_force, since as pause_skips, value_of as pause_value_of
+from consulrun.protocol.pause import in_force as pause_in_force, since as pause_skips, value_of as pause_value_of
 from consulrun.timefmt import parse_time
-from consulrun.turns import TURN_MAX_S
+from consulrun.protocol.turns import TURN_MAX_S
 
 if TYPE_CHECKING:  # `run` (the health check of its finish) must not pay for the manifest validator
-    from consulrun.manifest import Job, Manifest
+    from consulrun.manifest.loader import Job, Manifest
 
 DEFAULT_GRACE_S = 60.0
 UNKNOWN_ACCURACY_S = 60.0  # systemd's AccuracySec= default, assumed when no manifest says better
@@ -391,7 +393,7 @@ def table(statuses: list[JobStatus], now: datetime) -> list[list[str]]:
 
 
 def problem_lines(statuses: list[JobStatus]) -> list[str]:
-    from consulrun.pause import describe, skipped_lines
+    from consulrun.protocol.pause import describe, skipped_lines
 
     return [f"{s.job}: {p['kind']}: {p['detail']}" for s in statuses for p in s.problems] + \
         [f"{s.job}: {describe(s.paused)}" for s in statuses if s.paused] + \

@@ -20,11 +20,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from consulrun import __version__
-from consulrun.address import AddressError, parse_address
+from consulrun.consul.address import AddressError, parse_address
 from consulrun.errors import ConsulrunError, OutputError, UsageError, os_reason
-from consulrun.guarantees import warnings as guarantee_warnings
-from consulrun.manifest import Manifest
-from consulrun.render import OWNED_SUFFIXES, is_generated, render, replace_atomic, restore_file
+from consulrun.units.guarantees import warnings as guarantee_warnings
+from consulrun.manifest.loader import Manifest
+from consulrun.units.render import OWNED_SUFFIXES, is_generated, render, replace_atomic, restore_file
 
 
 class InstallError(ConsulrunError):

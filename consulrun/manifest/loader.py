@@ -19,13 +19,13 @@ from typing import Any
 import jsonschema
 import yaml
 
-from consulrun import shellsyntax, unitescape, unitsettings
-from consulrun.address import AddressError, parse_address
-from consulrun.durations import (DURATION_MAX_MS, LOCK_DELAY_RANGE_MS, TTL_RANGE_MS, DurationError, format_duration,
+from consulrun.manifest import shellsyntax, unitescape, unitsettings
+from consulrun.consul.address import AddressError, parse_address
+from consulrun.manifest.durations import (DURATION_MAX_MS, LOCK_DELAY_RANGE_MS, TTL_RANGE_MS, DurationError, format_duration,
                                  parse_duration, range_text)
 from consulrun.errors import ManifestError, os_reason
-from consulrun.schema import SCHEMA, conforms, schedule_problem
-from consulrun.yamlsource import Located, load
+from consulrun.manifest.schema import SCHEMA, conforms, schedule_problem
+from consulrun.manifest.yamlsource import Located, load
 
 
 @dataclass(frozen=True)

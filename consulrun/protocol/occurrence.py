@@ -28,12 +28,14 @@ import logging
 import time
 from datetime import datetime, timezone
 
-from consulrun import calendar, pause, testhook, turns
-from consulrun.consulapi import Client, decoded, kv_op
+from consulrun.manifest import calendar
+
+from consulrun.protocol import pause, testhook, turns
+from consulrun.consul.client import Client, decoded, kv_op
 from consulrun.errors import ConsulrunError, ConsulUnavailable, UsageError
-from consulrun.lock import Held, Locker, LockDelayRetry, clock, describe_holder, now_iso
+from consulrun.protocol.lock import Held, Locker, LockDelayRetry, clock, describe_holder, now_iso
 from consulrun.records import record
-from consulrun.trigger import fresh as trigger_fresh
+from consulrun.protocol.trigger import fresh as trigger_fresh
 
 TYPE_CHECKING = False  # typing's own flag without importing typing on every run
 if TYPE_CHECKING:
@@ -182,7 +184,7 @@ class Ledger:
         """The job's health check set from `record`, last in the transaction (dropped if Consul refuses it)."""
         if not self.health_prefix:
             return []
-        from consulrun.health import finish_op  # the skip path does not need it
+        from consulrun.protocol.health import finish_op  # the skip path does not need it
 
         return [finish_op(self.health_prefix, self.job, record)]
 

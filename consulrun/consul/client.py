@@ -2,7 +2,7 @@
 
 Settings come from the same variables the `consul` CLI reads, with the same
 meaning; every failure becomes one of consulrun's errors, so callers never see
-a socket, TLS or HTTP exception. The transport is `agenthttp`, one kept-alive
+a socket, TLS or HTTP exception. The transport is `transport`, one kept-alive
 connection per thread: every timer tick on every node starts `consulrun run`,
 and importing `requests` and py-consul, or even `http.client`, cost more than
 the whole exchange with the agent (README, Dependencies). `ssl` is imported
@@ -21,7 +21,7 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from consulrun import agenthttp
+from consulrun.consul import transport
 from consulrun.errors import ConsulProtocolError, ConsulUnavailable, PermissionDenied, UsageError, os_reason
 from consulrun.records import record
 
@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     from typing import Any
     import ssl
 
-    from consulrun.manifest import ConsulSettings
+    from consulrun.manifest.loader import ConsulSettings
 
 
 class SessionInvalid(ConsulProtocolError):
@@ -89,7 +89,7 @@ class ConsulConfig:
         A unix socket address gives ("http", "localhost", 80) only to a caller
         that says it sends its requests to `socket_path` itself (the Client does).
         """
-        from consulrun.address import AddressError, parse_address
+        from consulrun.consul.address import AddressError, parse_address
 
         try:
             where = parse_address(self.address, self.ssl)
@@ -105,7 +105,7 @@ class ConsulConfig:
     @property
     def socket_path(self) -> str | None:
         """The agent's unix socket for a `unix:///path` address, else None."""
-        from consulrun.address import AddressError, parse_address
+        from consulrun.consul.address import AddressError, parse_address
 
         try:
             return parse_address(self.address, self.ssl).socket_path
@@ -289,8 +289,8 @@ class Client:
     def _translated(self, what: str) -> Any:
         return translated(f"{what} via {self.address}")
 
-    def _connection(self, timeout: float) -> agenthttp.Connection:
-        conn: agenthttp.Connection | None = getattr(self._local, "conn", None)
+    def _connection(self, timeout: float) -> transport.Connection:
+        conn: transport.Connection | None = getattr(self._local, "conn", None)
         if conn is not None and conn.sock is not None:
             # The agent may have closed an idle connection; reading that now beats failing a write on it later.
             # poll(2), not select(2): a descriptor may be numbered 1024 or more.
@@ -301,18 +301,18 @@ class Client:
             else:
                 return conn
         if self._socket_path:
-            conn = agenthttp.Connection(agenthttp.connect_unix(self._socket_path, timeout), "localhost")
+            conn = transport.Connection(transport.connect_unix(self._socket_path, timeout), "localhost")
         else:
             if self._scheme == "https" and self._context is None:
                 self._context = _tls_context(self._config)
-            sock = agenthttp.connect_tcp(self._host, self._port, timeout)
+            sock = transport.connect_tcp(self._host, self._port, timeout)
             try:
                 if self._context is not None:
                     sock = self._context.wrap_socket(sock, server_hostname=self._config.tls_server_name or self._host)
             except BaseException:
                 sock.close()
                 raise
-            conn = agenthttp.Connection(sock, self._host_header)
+            conn = transport.Connection(sock, self._host_header)
         self._local.conn = conn
         return conn
 

@@ -23,10 +23,10 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest, start_http_server, write_to_textfile
 from prometheus_client.core import GaugeMetricFamily, Metric
 
-from consulrun import history, status
-from consulrun.consulapi import Client
+from consulrun.report import history, status
+from consulrun.consul.client import Client
 from consulrun.errors import ConsulrunError, OutputError, UsageError, os_reason
-from consulrun.manifest import Manifest
+from consulrun.manifest.loader import Manifest
 
 log = logging.getLogger("consulrun")
 

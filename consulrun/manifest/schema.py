@@ -61,10 +61,10 @@ def schedule_problem(spec: str) -> str | None:
     """
     from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
-    from consulrun import calendar
+    from consulrun.manifest import calendar
 
     if len(spec.split()) == 5 or spec.strip().startswith("@"):  # all cron can be: five fields or an @macro
-        from consulrun import cronfields  # only then: a timer tick need not load the converter
+        from consulrun.manifest import cronfields  # only then: a timer tick need not load the converter
 
         if cronfields.looks_like_cron(spec):
             try:

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 from datetime import datetime, timezone
 
-from consulrun import calendar
-from consulrun.durations import format_duration
-from consulrun.manifest import Job, Manifest
-from consulrun.turns import turn_at_most_s
+from consulrun.manifest import calendar
+from consulrun.manifest.durations import format_duration
+from consulrun.manifest.loader import Job, Manifest
+from consulrun.protocol.turns import turn_at_most_s
 
 LOOK_AHEAD = 200  # occurrences examined for the densest gap (a daily spec with one dense day, DST)
 

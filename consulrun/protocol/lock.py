@@ -20,11 +20,13 @@ import threading
 import time
 from datetime import datetime, timezone
 
-from consulrun import __version__, testhook
-from consulrun.procinfo import boot_id, pid_namespace, process_start, provably_dead, time_namespace
-from consulrun.consulapi import Client, SessionInvalid, decoded, kv_op
+from consulrun import __version__
+
+from consulrun.protocol import testhook
+from consulrun.protocol.procinfo import boot_id, pid_namespace, process_start, provably_dead, time_namespace
+from consulrun.consul.client import Client, SessionInvalid, decoded, kv_op
 from consulrun.errors import ConsulrunError, ConsulUnavailable, UsageError
-from consulrun.fencing import Fencing
+from consulrun.protocol.fencing import Fencing
 from consulrun.records import record
 
 TYPE_CHECKING = False  # typing's own flag without importing typing on every run
@@ -144,7 +146,7 @@ class Locker:
     def snapshot(self) -> tuple[dict[str, dict[str, Any]], str | None, dict[str, Any]]:
         """(the lock entries, why the job is paused or None, an operation that fails a transaction if the pause
         key changed since), read together: a pause landing between this look and the acquisition stops it."""
-        from consulrun.pause import describe, in_force, pause_key, unchanged_op, value_of
+        from consulrun.protocol.pause import describe, in_force, pause_key, unchanged_op, value_of
 
         key = pause_key(self.spec.base)
         lock_prefix = self.spec.keys()[0] if self.spec.concurrency == 1 else f"{self.spec.base}/slots/"

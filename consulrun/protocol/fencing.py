@@ -10,7 +10,7 @@ lock-delay of it, grace period included. The same numbers decide the units'
 
 from __future__ import annotations
 
-from consulrun.durations import LOCK_DELAY_RANGE_MS
+from consulrun.manifest.durations import LOCK_DELAY_RANGE_MS
 from consulrun.errors import UsageError
 from consulrun.records import record
 

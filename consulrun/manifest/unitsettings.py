@@ -16,7 +16,7 @@ import re
 from importlib import resources
 from typing import Any
 
-from consulrun import unitescape
+from consulrun.manifest import unitescape
 
 _KNOWN: dict[str, Any] = json.loads(resources.files("consulrun").joinpath("systemd_settings.json").read_text())
 SECTION_TITLES = {"service": "[Service]", "timer": "[Timer]", "unit": "[Unit] or [Install]"}
