@@ -26,7 +26,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from consulrun.protocol import health  # noqa: E402
+from consulrun.report import watchdog as health  # noqa: E402
 from consulrun.consul.client import Client, ConsulConfig  # noqa: E402
 from tests.harness.agents import Agent, consul_binary, start_dev_agent  # noqa: E402
 

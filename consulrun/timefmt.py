@@ -21,6 +21,12 @@ def parse_time(text: Any) -> datetime | None:
     return when if when.tzinfo else when.replace(tzinfo=timezone.utc)
 
 
+def seconds_between(start: Any, end: Any) -> float | None:
+    """Seconds from one recorded time to another; None unless both are times."""
+    began, ended = parse_time(start), parse_time(end)
+    return (ended - began).total_seconds() if began and ended else None
+
+
 def span(seconds: float) -> str:
     """A duration in its largest sensible unit: 42s, 7m, 3h, 2d."""
     seconds = abs(seconds)

@@ -1,7 +1,15 @@
-"""Shared fixtures: real Consul agents, artifacts for failed tests, golden-file switch.
+"""Shared fixtures: real Consul agents, artifacts for failed tests, golden-file switch, parallel workers.
 
 A missing tool is a failure, not a skip: a skipped integration test would hide
 exactly the breakage CI exists to catch.
+
+The suite runs in parallel (pytest-xdist, `scripts/test` starts TEST_WORKERS
+workers). Each worker has its own dev agent on its own free ports, its own
+network namespaces, bridges and containers (named after its pid) and its own
+subnets: worker gwN moves every test subnet from 10.213.x.x to 10.(200+N).x.x
+(CONSULRUN_TEST_NET_PREFIX, which a caller such as the mutation driver may set
+first). A test module whose tests share one booted container or cluster
+(a module-scoped fixture) runs on one worker, so that it is booted once.
 """
 
 from __future__ import annotations
@@ -27,6 +35,23 @@ ARTIFACTS = REPO / "test-artifacts"
 
 # Golden files rewritten by --update-golden in this run (paths relative to the repo), for the closing report.
 GOLDEN_REWRITTEN = pytest.StashKey[list[str]]()
+
+
+# Modules whose tests share a module-scoped container, cluster or sshd: kept on one worker (booted once).
+ONE_WORKER_MODULES = {"test_install", "test_onfailure", "test_remote", "test_trigger"}
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    if worker.startswith("gw") and "CONSULRUN_TEST_NET_PREFIX" not in os.environ:
+        os.environ["CONSULRUN_TEST_NET_PREFIX"] = f"10.{200 + int(worker[2:])}."
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        module = item.path.stem
+        if module in ONE_WORKER_MODULES:
+            item.add_marker(pytest.mark.xdist_group(module))
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

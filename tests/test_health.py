@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from consulrun.protocol import health
+from consulrun.report import watchdog as health
 from consulrun.consul.client import Client, ConsulConfig
 from tests.harness.agents import Agent, wait_for
 from tests.test_run import _raft_applied, consulrun, finish, lock_entry

@@ -15,7 +15,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from consulrun import cli
+from consulrun.commands.run import run as run_command
 from consulrun.commands.runargs import OPTIONS, read
 from tests.harness.agents import Agent
 from tests.test_run import lock_entry
@@ -28,17 +28,17 @@ CONSUL_VARS = ("CONSUL_HTTP_ADDR", "CONSUL_HTTP_TOKEN_FILE", "CONSUL_CACERT", "C
 def click_params(args: list[str], environ: dict[str, str]) -> dict[str, object]:
     """What click's `run` hands its function for ARGS, in ENVIRON."""
     with mock.patch.dict(os.environ, environ, clear=True):
-        with cli.run.make_context("run", list(args)) as ctx:
+        with run_command.make_context("run", list(args)) as ctx:
             return dict(ctx.params)
 
 
 def test_the_lean_reader_knows_every_option_of_click_s_run_and_nothing_else() -> None:
-    options = [p for p in cli.run.params if isinstance(p, click.Option) and p.name != "help"]
+    options = [p for p in run_command.params if isinstance(p, click.Option) and p.name != "help"]
     assert sorted(opt for p in options for opt in [*p.opts, *p.secondary_opts]) == sorted(OPTIONS)
     for param in options:
         name, convert, default, repeatable, envvar = OPTIONS[param.opts[0]]
         assert (name, repeatable, convert is None, envvar) == (param.name, param.multiple, param.is_flag, param.envvar)
-    arguments = [p.name for p in cli.run.params if isinstance(p, click.Argument)]
+    arguments = [p.name for p in run_command.params if isinstance(p, click.Argument)]
     assert arguments == ["job", "command"]
     # Defaults as click converts them: nothing given, the same parameters.
     assert read(["j", "--", "true"], {}) == click_params(["j", "--", "true"], {})

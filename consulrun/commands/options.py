@@ -8,13 +8,13 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from consulrun.manifest.durations import DURATION_MAX_MS, DurationError, format_duration, parse_duration, range_text
 from consulrun.errors import UsageError
+from consulrun.manifest.durations import DURATION_MAX_MS, DurationError, format_duration, parse_duration, range_text
 from consulrun.manifest.schema import kv_prefix_problem
 
 if TYPE_CHECKING:
     from consulrun.consul.client import ConsulConfig
-    from consulrun.manifest.loader import ConsulSettings
+    from consulrun.consul.settings import ConsulSettings
 
 
 def _option_name(param: click.Parameter | None) -> str:

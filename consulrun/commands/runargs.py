@@ -17,8 +17,14 @@ from __future__ import annotations
 import os
 import sys
 
-from consulrun.manifest.durations import DURATION_MAX_MS, LOCK_DELAY_RANGE_MS, TTL_RANGE_MS, DurationError, parse_duration
 from consulrun.errors import ConsulrunError, UsageError, output_guard
+from consulrun.manifest.durations import (
+    DURATION_MAX_MS,
+    LOCK_DELAY_RANGE_MS,
+    TTL_RANGE_MS,
+    DurationError,
+    parse_duration,
+)
 from consulrun.manifest.schema import kv_prefix_problem, name_problem, schedule_problem
 
 TYPE_CHECKING = False  # typing's own flag without importing typing on every run

@@ -7,6 +7,10 @@ connection per thread: every timer tick on every node starts `consulrun run`,
 and importing `requests` and py-consul, or even `http.client`, cost more than
 the whole exchange with the agent (README, Dependencies). `ssl` is imported
 only when the address is https.
+
+Why this module is long: it is one method per Consul endpoint the tools use (KV, sessions,
+transactions, health, catalog, agent), all answering in the same few error kinds; split by endpoint, the
+error translation every method shares would be imported by each piece anyway.
 """
 
 from __future__ import annotations
@@ -27,10 +31,10 @@ from consulrun.records import record
 
 TYPE_CHECKING = False  # typing's own flag without importing typing on every run
 if TYPE_CHECKING:
-    from typing import Any
     import ssl
+    from typing import Any
 
-    from consulrun.manifest.loader import ConsulSettings
+    from consulrun.consul.settings import ConsulSettings
 
 
 class SessionInvalid(ConsulProtocolError):

@@ -22,8 +22,8 @@ from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 import yaml
 
-from consulrun.manifest import cronfields, shellsyntax
 from consulrun.errors import ManifestError, UsageError
+from consulrun.manifest import cronfields, shellsyntax
 
 _ENV = re.compile(r"\s*(?P<name>\"[^\"]*\"|'[^']*'|[^=\s]+)\s*=\s*(?P<value>.*?)\s*")
 _VARIABLE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")

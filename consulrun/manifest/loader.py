@@ -4,6 +4,10 @@ The JSON Schema shipped beside this module is the single statement of the
 manifest's shape (it is also what the README's reference table documents);
 this module adds what a schema cannot say: positions, duplicate keys, value
 ranges, calendar syntax and whether a value can be written to a unit file.
+
+Why this module is long: it is the manifest's records and one checker per section, each
+naming the file, line and field of what it refuses; the sections refer to each other (defaults,
+jobs, timers, locks), so the checks read as one pass over one document.
 """
 
 from __future__ import annotations
@@ -19,11 +23,19 @@ from typing import Any
 import jsonschema
 import yaml
 
-from consulrun.manifest import shellsyntax, unitescape, unitsettings
 from consulrun.consul.address import AddressError, parse_address
-from consulrun.manifest.durations import (DURATION_MAX_MS, LOCK_DELAY_RANGE_MS, TTL_RANGE_MS, DurationError, format_duration,
-                                 parse_duration, range_text)
+from consulrun.consul.settings import ConsulSettings
 from consulrun.errors import ManifestError, os_reason
+from consulrun.manifest import shellsyntax, unitescape, unitsettings
+from consulrun.manifest.durations import (
+    DURATION_MAX_MS,
+    LOCK_DELAY_RANGE_MS,
+    TTL_RANGE_MS,
+    DurationError,
+    format_duration,
+    parse_duration,
+    range_text,
+)
 from consulrun.manifest.schema import SCHEMA, conforms, schedule_problem
 from consulrun.manifest.yamlsource import Located, load
 
@@ -43,16 +55,6 @@ class TimerSettings:
     accuracy_ms: int = 1_000
     randomized_delay_ms: int = 0
     persistent: bool = False
-
-
-@dataclass(frozen=True)
-class ConsulSettings:
-    address: str | None = None
-    token_file: str | None = None
-    ca_file: str | None = None
-    cert_file: str | None = None
-    key_file: str | None = None
-    tls_server_name: str | None = None
 
 
 @dataclass(frozen=True)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import functools
 import json
-import re
 import os
+import re
 
 TYPE_CHECKING = False  # typing's own flag without importing typing on every run
 if TYPE_CHECKING:

@@ -10,8 +10,8 @@ lock-delay of it, grace period included. The same numbers decide the units'
 
 from __future__ import annotations
 
-from consulrun.manifest.durations import LOCK_DELAY_RANGE_MS
 from consulrun.errors import UsageError
+from consulrun.manifest.durations import LOCK_DELAY_RANGE_MS
 from consulrun.records import record
 
 SAFETY_MARGIN_S = 1.0  # slack for scheduling and process teardown beyond the grace period

@@ -9,6 +9,10 @@ last answer the holder got (a health check can fail right after a renewal) and
 re-grants it no earlier than lock-delay later. So the holder confirms the lock
 with consistent blocking reads and must have its job dead within lock-delay of
 the last confirmation, grace period included.
+
+Why this module is long: acquiring, confirming, fencing and releasing one session lock are
+one state machine whose every step must be read with the others to see what holds at each
+instant (DESIGN.md); the mutation groups name its functions in place.
 """
 
 from __future__ import annotations
@@ -21,12 +25,11 @@ import time
 from datetime import datetime, timezone
 
 from consulrun import __version__
-
-from consulrun.protocol import testhook
-from consulrun.protocol.procinfo import boot_id, pid_namespace, process_start, provably_dead, time_namespace
 from consulrun.consul.client import Client, SessionInvalid, decoded, kv_op
 from consulrun.errors import ConsulrunError, ConsulUnavailable, UsageError
+from consulrun.protocol import testhook
 from consulrun.protocol.fencing import Fencing
+from consulrun.protocol.procinfo import boot_id, pid_namespace, process_start, provably_dead, time_namespace
 from consulrun.records import record
 
 TYPE_CHECKING = False  # typing's own flag without importing typing on every run

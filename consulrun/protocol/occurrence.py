@@ -20,6 +20,10 @@ Record states: running, done (with exit status), lost (fenced, or the session
 destroyed), abandoned (the runner's session died before it recorded anything;
 written by the next node that sees it). Under `retry`, lost and abandoned
 occurrences are run again (attempt + 1); under `skip`, never.
+
+Why this module is long: claiming, taking over and recording an occurrence is one
+compare-and-set protocol over one record; its steps are read together to see what holds at each
+instant.
 """
 
 from __future__ import annotations
@@ -28,14 +32,13 @@ import logging
 import time
 from datetime import datetime, timezone
 
-from consulrun.manifest import calendar
-
-from consulrun.protocol import pause, testhook, turns
 from consulrun.consul.client import Client, decoded, kv_op
 from consulrun.errors import ConsulrunError, ConsulUnavailable, UsageError
-from consulrun.protocol.lock import Held, Locker, LockDelayRetry, clock, describe_holder, now_iso
-from consulrun.records import record
+from consulrun.manifest import calendar
+from consulrun.protocol import pause, testhook, turns
+from consulrun.protocol.lock import Held, LockDelayRetry, Locker, clock, describe_holder, now_iso
 from consulrun.protocol.trigger import fresh as trigger_fresh
+from consulrun.records import record
 
 TYPE_CHECKING = False  # typing's own flag without importing typing on every run
 if TYPE_CHECKING:

@@ -10,6 +10,10 @@ Phases and what a termination signal does in each:
 The invariant every path keeps: the lock is released only after every process
 of the job is gone. If that cannot be made sure, the lock is not released and
 the session's invalidation frees it (lock-delay applies).
+
+Why this module is long: it supervises one run from the lock to the release, and each
+step (start, watch, fence, stop, record) must be read with the signals and failures that can land
+between any two of them.
 """
 
 from __future__ import annotations
@@ -23,15 +27,16 @@ import time
 from datetime import datetime, timezone
 from types import FrameType
 
-from consulrun.protocol import testhook
 from consulrun.consul.client import Client, ConsulConfig
 from consulrun.errors import ConsulrunError, ConsulUnavailable, ExitCode, JobNotStarted, UsageError
+from consulrun.protocol import testhook
 from consulrun.protocol.lock import Fencing, Held, Interrupted, Locker, LockSpec, Watcher, clock, now_iso as _now
 from consulrun.records import record
 
 TYPE_CHECKING = False  # typing's own flag without importing typing on every run
 if TYPE_CHECKING:  # a skipping run imports none of these (issue: lean hot path)
     from typing import Any, Callable
+
     from consulrun.protocol import occurrence
     from consulrun.protocol.child import Job
 

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from datetime import datetime, timezone
 
-from consulrun.protocol import pause
 from consulrun.consul.client import Client, decoded
+from consulrun.protocol import pause
 from consulrun.report.status import NoState, parse_time, probe, seconds_between
 
 TYPE_CHECKING = False  # typing's own flag without importing typing on every run

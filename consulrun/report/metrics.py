@@ -20,13 +20,20 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest, start_http_server, write_to_textfile
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    generate_latest,
+    start_http_server,
+    write_to_textfile,
+)
 from prometheus_client.core import GaugeMetricFamily, Metric
 
-from consulrun.report import history, status
 from consulrun.consul.client import Client
 from consulrun.errors import ConsulrunError, OutputError, UsageError, os_reason
 from consulrun.manifest.loader import Manifest
+from consulrun.report import history, status
 
 log = logging.getLogger("consulrun")
 

@@ -17,14 +17,14 @@ from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta, timezone
 from typing import TYPE_CHECKING, Any, Callable
 
-from consulrun.manifest import calendar
-
-from consulrun.protocol import procinfo
 from consulrun.consul.client import Client, decoded
 from consulrun.errors import ConsulrunError, PermissionDenied
+from consulrun.manifest import calendar
+from consulrun.protocol import procinfo
+from consulrun.protocol.health import LAST_FIELDS
 from consulrun.protocol.pause import in_force as pause_in_force, since as pause_skips, value_of as pause_value_of
-from consulrun.timefmt import parse_time
 from consulrun.protocol.turns import TURN_MAX_S
+from consulrun.timefmt import parse_time, seconds_between
 
 if TYPE_CHECKING:  # `run` (the health check of its finish) must not pay for the manifest validator
     from consulrun.manifest.loader import Job, Manifest
@@ -83,11 +83,6 @@ class JobStatus:
 
 def iso(when: datetime | None) -> str | None:
     return when.astimezone(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ") if when else None
-
-
-def seconds_between(start: Any, end: Any) -> float | None:
-    began, ended = parse_time(start), parse_time(end)
-    return (ended - began).total_seconds() if began and ended else None
 
 
 def session_health(client: Client, session_id: str,
@@ -256,7 +251,6 @@ def _record_of(keys: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
     return max(runs, key=lambda r: str(r.get("started") or "")) if runs else None  # the newest of the slots
 
 
-LAST_FIELDS = ("occurrence", "state", "node", "exit_status", "started", "ended", "takeover", "attempt", "reason")
 
 
 def judge_job(name: str, keys: dict[str, dict[str, Any]], manifest: Manifest | None, judge: HolderJudge,

@@ -22,8 +22,8 @@ from pathlib import Path
 from consulrun import __version__
 from consulrun.consul.address import AddressError, parse_address
 from consulrun.errors import ConsulrunError, OutputError, UsageError, os_reason
-from consulrun.units.guarantees import warnings as guarantee_warnings
 from consulrun.manifest.loader import Manifest
+from consulrun.units.guarantees import warnings as guarantee_warnings
 from consulrun.units.render import OWNED_SUFFIXES, is_generated, render, replace_atomic, restore_file
 
 

@@ -1,0 +1,48 @@
+"""`consulrun generate`: render a manifest into units, or check that a folder is up to date."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import click
+
+from consulrun.commands.common import default_consulrun_path, read_manifest
+from consulrun.commands.options import AbsolutePath, Folder
+from consulrun.errors import ExitCode
+
+
+@click.command()
+@click.argument("manifest", type=click.Path(allow_dash=True, path_type=Path))
+@click.option("-o", "--output", "output", required=True, metavar="DIR",
+              help="Folder to write the units into, or - to print them.")
+@click.option("--check", is_flag=True, help="Change nothing; print a diff and exit 1 if DIR is out of date.")
+@click.option("--templates", type=Folder(),
+              help="Folder with service.j2, timer.j2 and/or onfailure.j2 overriding the shipped templates.")
+@click.option("--consulrun-path", type=AbsolutePath(), default=default_consulrun_path, show_default="this consulrun",
+              help="Absolute path of consulrun as the units' ExecStart= calls it.")
+def generate(manifest: Path, output: str, check: bool, templates: Path | None, consulrun_path: str) -> None:
+    """Render MANIFEST into <prefix>-<job>.service/.timer files. MANIFEST may be - (standard input)."""
+    from consulrun.units.guarantees import warnings
+    from consulrun.units.install import plan
+    from consulrun.units.render import render, write_units
+
+    loaded, _ = read_manifest(manifest)
+    units = render(loaded, consulrun_path, templates)
+    for line in warnings(loaded):
+        click.echo(f"warning: {line}", err=True)
+    if output == "-":
+        for name, text in units.items():
+            click.echo(f"# --- {name}\n{text}", nl=False)
+        return
+    outdir = Path(output)
+    if check:
+        diff = plan(units, outdir, loaded.unit_prefix).diff()
+        if diff:
+            click.echo(diff, nl=False)
+            click.echo(f"{outdir} is out of date with {manifest}", err=True)
+            sys.exit(ExitCode.FAILURE)
+        click.echo(f"{outdir} is up to date")
+        return
+    for path in write_units(units, outdir):
+        click.echo(str(path))

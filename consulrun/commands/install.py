@@ -1,0 +1,125 @@
+"""`consulrun install`: put a manifest's units on this node, or on each --host over ssh."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import click
+
+from consulrun.commands.options import AbsolutePath, Folder
+from consulrun.errors import ConsulrunError, UsageError
+
+if TYPE_CHECKING:
+    from consulrun.manifest.loader import Manifest
+from consulrun.commands.common import default_consulrun_path, read_manifest
+
+
+@click.command()
+@click.argument("manifest", type=click.Path(allow_dash=True, path_type=Path))
+@click.option("--root", type=click.Path(file_okay=False, path_type=Path),
+              help="Install into this root file system (offline: units are enabled, nothing is started); "
+                   "with --host, a folder on each node.")
+@click.option("--unit-dir", type=click.Path(path_type=Path), default=Path("/etc/systemd/system"), show_default=True,
+              help="Unit folder (inside --root if given).")
+@click.option("--dry-run", is_flag=True, help="Print the diff and the systemctl actions; change nothing.")
+@click.option("--no-start", is_flag=True, help="Enable the timers but do not start them.")
+@click.option("--templates", type=Folder(),
+              help="Folder with service.j2, timer.j2 and/or onfailure.j2 overriding the shipped templates "
+                   "(sent along with --host).")
+@click.option("--consulrun-path", type=AbsolutePath(), default=default_consulrun_path, show_default="this consulrun",
+              help="Absolute path of consulrun on the node(s), as units call it.")
+@click.option("--host", "hosts", multiple=True, metavar="NODE",
+              help="Install on NODE ([USER@]HOST) over ssh (repeatable; a node given twice is installed once).")
+@click.option("--hosts-file", type=click.Path(dir_okay=False, path_type=Path),
+              help="File with one NODE per line (# comments allowed).")
+@click.option("--ssh-option", "ssh_options", multiple=True, metavar="OPT", help="Passed to ssh as -o OPT (repeatable).")
+@click.option("--parallel", type=click.IntRange(1, 256), default=10, show_default=True, help="Nodes at a time.")
+@click.option("--stdin-bundle", is_flag=True, hidden=True,
+              help="Standard input is the JSON bundle `install --host --templates` sends: manifest and templates.")
+def install(manifest: Path, root: Path | None, unit_dir: Path, dry_run: bool, no_start: bool, templates: Path | None,
+            consulrun_path: str, hosts: tuple[str, ...], hosts_file: Path | None,
+            ssh_options: tuple[str, ...], parallel: int, stdin_bundle: bool) -> None:
+    """Install MANIFEST's units on this node, or on each --host over ssh.
+
+    Writes only units it generated (a foreign file with one of their names is
+    an error), removes its units for jobs no longer in the manifest, runs
+    systemctl daemon-reload and enables (and starts) the timers. A second run
+    with the same manifest changes nothing. If anything fails, the previous
+    units are put back. MANIFEST may be - (standard input).
+    """
+    from consulrun.units.remote import make_bundle, read_hosts
+
+    if stdin_bundle:
+        _install_bundle(manifest, root=root, unit_dir=unit_dir, dry_run=dry_run, no_start=no_start,
+                        consulrun_path=consulrun_path)
+        return
+    loaded, text = read_manifest(manifest)
+    targets = read_hosts(hosts, hosts_file) if hosts or hosts_file else None
+    if targets is not None:
+        if not targets.names:
+            raise UsageError(f"--hosts-file: {hosts_file}: names no host")
+        for host in targets.duplicates:
+            click.echo(f"warning: {host} is listed more than once; installing there once", err=True)
+        flags = (["--dry-run"] if dry_run else []) + (["--no-start"] if no_start else []) + \
+            (["--root", str(root)] if root else []) + ["--unit-dir", str(unit_dir), "--consulrun-path", consulrun_path]
+        if templates is not None:  # the override templates go along with the manifest, on standard input
+            text = make_bundle(text, templates)
+            flags.append("--stdin-bundle")
+        _install_remote(targets.names, text, [consulrun_path, "install", "-", *flags], list(ssh_options), parallel,
+                        dry_run)
+        return
+    _print_report(loaded, root=root, unit_dir=unit_dir, dry_run=dry_run, no_start=no_start, templates=templates,
+                  consulrun_path=consulrun_path)
+
+
+def _install_bundle(manifest: Path, **options: Any) -> None:
+    """The node's side of `install --host --templates`: templates into a private folder, then the local install."""
+    import tempfile
+
+    from consulrun.manifest.loader import parse_manifest
+    from consulrun.units.remote import open_bundle
+
+    if str(manifest) != "-":
+        raise UsageError("--stdin-bundle reads standard input: give MANIFEST as -")
+    with tempfile.TemporaryDirectory(prefix="consulrun-templates-") as folder:
+        text = open_bundle(sys.stdin.read(), Path(folder))
+        _print_report(parse_manifest(text, "<stdin>"), templates=Path(folder), **options)
+
+
+def _print_report(loaded: "Manifest", *, root: Path | None, unit_dir: Path, dry_run: bool, no_start: bool,
+                  templates: Path | None, consulrun_path: str) -> None:
+    from consulrun.units.install import install_local
+
+    report = install_local(loaded, root=root, unit_dir=unit_dir, dry_run=dry_run, start=not no_start,
+                           templates=templates, consulrun_path=consulrun_path)
+    for line in report.warnings:
+        click.echo(f"warning: {line}", err=True)
+    click.echo("".join(report.diff), nl=False)
+    for line in report.lines:
+        click.echo(line)
+
+
+def _install_remote(hosts: list[str], text: str, remote_argv: list[str], ssh_options: list[str], parallel: int,
+                    dry_run: bool) -> None:
+    from consulrun.units.remote import HostResult, install_all
+
+    def progress(result: HostResult, done: int, total: int) -> None:
+        click.echo(f"[{done}/{total}] {result.host}: {'ok' if result.ok else 'FAILED'}: {result.summary}", err=True)
+        for warning in result.warnings:
+            click.echo(f"warning: {result.host}: {warning}", err=True)
+
+    results = install_all(hosts, text, remote_argv, ssh_options, parallel, timeout_s=300, progress=progress)
+    if dry_run:  # each node's own diff and systemctl calls, not only its last line
+        for r in results:
+            if r.ok:
+                click.echo(f"==> {r.host} <==")
+                click.echo(r.stdout, nl=False)
+    width = max(len(r.host) for r in results + [HostResult("HOST", True, "")])
+    click.echo(f"{'HOST'.ljust(width)}  RESULT  DETAIL")
+    for r in results:
+        click.echo(f"{r.host.ljust(width)}  {'ok    ' if r.ok else 'FAILED'}  {r.summary}")
+    failed = [r.host for r in results if not r.ok]
+    if failed:
+        raise ConsulrunError(f"install failed on {len(failed)} of {len(results)} node(s): {', '.join(failed)}")

@@ -1,0 +1,46 @@
+"""`consulrun on-failure`: the units' OnFailure= handler, which runs a job's on_failure command."""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+import click
+
+from consulrun.commands.runargs import setup_logging as _setup_logging
+from consulrun.errors import UsageError
+
+
+@click.command("on-failure", context_settings={"allow_interspersed_args": False})
+@click.option("--unit", required=True, metavar="UNIT", help="The job's service unit, the one that failed.")
+@click.option("--skip-exit-code", type=click.IntRange(0, 255), default=0, show_default=True,
+              help="The job's skip code: a run that exited with it never notifies.")
+@click.argument("job")
+@click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
+def on_failure(job: str, command: tuple[str, ...], unit: str, skip_exit_code: int) -> None:
+    """Run COMMAND because JOB failed, was lost or timed out (what <prefix>-onfailure@JOB.service runs).
+
+    \b
+    consulrun on-failure --unit UNIT JOB -- COMMAND [ARG]...
+
+    COMMAND gets CONSULRUN_JOB, CONSULRUN_NODE, CONSULRUN_UNIT, CONSULRUN_RESULT
+    (systemd's: exit-code, timeout, signal...), CONSULRUN_EXIT_STATUS,
+    CONSULRUN_OCCURRENCE, CONSULRUN_INVOCATION_ID and CONSULRUN_JOURNAL (the
+    run's last journal lines, also on its standard input). Its exit status is
+    passed through.
+    """
+    from consulrun.protocol.notify import failure_facts, is_skip, run_on_failure
+
+    if command and command[0] == "--":
+        command = command[1:]
+    if not command:
+        raise UsageError("no command given: consulrun on-failure --unit UNIT JOB -- COMMAND [ARG]...")
+    _setup_logging()
+    facts = failure_facts(job, unit)
+    if is_skip(facts, skip_exit_code):
+        logging.getLogger("consulrun").info("%s: exit status %s is the skip code; not a failure", job, skip_exit_code)
+        return
+    logging.getLogger("consulrun").info("%s: %s (%s, exit status %s, occurrence %s); running the on_failure command",
+                                        job, unit, facts["CONSULRUN_RESULT"] or "?",
+                                        facts["CONSULRUN_EXIT_STATUS"] or "?", facts["CONSULRUN_OCCURRENCE"] or "-")
+    sys.exit(run_on_failure(list(command), facts))

@@ -1,0 +1,23 @@
+"""`consulrun resume`: let paused jobs run again."""
+
+from __future__ import annotations
+
+import click
+
+from consulrun.commands.options import KvPrefix, consul_options
+from consulrun.commands.pause import pause_targets
+
+
+@click.command()
+@click.argument("targets", nargs=-1, metavar="[MANIFEST] [JOB]...")
+@click.option("--all", "all_jobs", is_flag=True, help="Every job of the manifest (without one: every job in Consul).")
+@click.option("--prefix", type=KvPrefix(), default=None, help="KV prefix [default: the manifest's kv_prefix, else consulrun].")
+@consul_options
+def resume(targets: tuple[str, ...], all_jobs: bool, prefix: str | None, **consul: str | None) -> None:
+    """End the pause of JOBs: their next occurrence runs as scheduled (skipped ones are not run again)."""
+    from consulrun.protocol import pause as pausing
+
+    client, kv_prefix, jobs = pause_targets(targets, all_jobs, prefix, consul)
+    pausing.resume(client, kv_prefix, jobs)
+    for job in jobs:
+        click.echo(f"{job}: resumed")

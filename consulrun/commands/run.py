@@ -1,0 +1,65 @@
+"""`consulrun run`: the click declaration of the wrapper every unit runs (`--help`, and the rare
+invocation `runargs` leaves to click); the run itself is `runargs.start`."""
+
+from __future__ import annotations
+
+import click
+
+from consulrun.commands.options import Duration, KvPrefix, consul_options
+from consulrun.commands.runargs import start
+from consulrun.manifest.durations import LOCK_DELAY_RANGE_MS, TTL_RANGE_MS, range_text
+
+
+@click.command(context_settings={"allow_interspersed_args": False})
+@click.option("--prefix", type=KvPrefix(), default="consulrun", show_default=True,
+              help="KV prefix; the job's keys are <prefix>/<JOB>/.")
+@click.option("--ttl", type=Duration(TTL_RANGE_MS), default="15s", show_default=True,
+              help=f"Session TTL ({range_text(TTL_RANGE_MS)}).")
+@click.option("--lock-delay", type=Duration(LOCK_DELAY_RANGE_MS), default="15s", show_default=True,
+              help=f"Consul lock-delay ({range_text(LOCK_DELAY_RANGE_MS)}). "
+                   "The job is killed within this long of losing touch with Consul.")
+@click.option("--check", "checks", multiple=True, metavar="ID",
+              help="Extra node or service check bound to the session (repeatable); serfHealth is always bound.")
+@click.option("--wait", type=Duration(), default="0s", show_default=True,
+              help="How long to wait for a held lock; 0 tries once.")
+@click.option("--concurrency", type=click.IntRange(1, 1000), default=1, show_default=True,
+              help="How many nodes may run the job at once.")
+@click.option("--skip-exit-code", type=click.IntRange(0, 255), default=0, show_default=True,
+              help="Exit status when the lock is held elsewhere and the job is skipped.")
+@click.option("--schedule", "schedules", multiple=True, metavar="SPEC",
+              help="The timer's OnCalendar= spec (repeatable): run each scheduled occurrence on one node only.")
+@click.option("--on-holder-loss", type=click.Choice(["skip", "retry"]), default="skip", show_default=True,
+              help="With --schedule: if an occurrence's runner dies mid-job, skip it (at most once) "
+                   "or let a standby run it again (at least once).")
+@click.option("--history", type=click.IntRange(1, 1000), default=20, show_default=True,
+              help="With --schedule: how many past occurrences to keep in <prefix>/<JOB>/history/.")
+@click.option("--ping-url", metavar="URL",
+              help="Healthchecks.io-style monitor: URL/start when the job starts here, then URL (exit 0), "
+                   "URL/<status> or URL/fail (lost). A skipping node sends nothing; a failed ping never fails the job.")
+@click.option("--health-check", is_flag=True,
+              help="Also set the job's Consul health check (on the prefix's external node) from the result, "
+                   "in the same transaction; if Consul refuses the check, the result is recorded without it.")
+@consul_options
+@click.argument("job")
+@click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
+def run(job: str, command: tuple[str, ...], prefix: str, ttl: int, lock_delay: int, checks: tuple[str, ...],
+        wait: int, concurrency: int, skip_exit_code: int, schedules: tuple[str, ...], on_holder_loss: str,
+        history: int, ping_url: str | None, health_check: bool, **consul: str | None) -> None:
+    """Run COMMAND for JOB on this node only if this node gets JOB's Consul lock.
+
+    \b
+    consulrun run [OPTIONS] JOB -- COMMAND [ARG]...
+
+    Options go before JOB; everything after it is the command. Durations are
+    written as systemd writes them (500ms, 15s, 1m30s, 10 min, 1h 30min).
+
+    The job gets CONSULRUN_JOB, CONSULRUN_SESSION, CONSULRUN_LOCK_KEY and
+    CONSULRUN_FENCING_TOKEN (the lock key's ModifyIndex: larger for every later
+    holder, so the job can refuse a stale holder's write) in its environment.
+    Its own exit status is passed through. If the lock cannot be confirmed,
+    every process of the job (also those that left its process group) is
+    killed and the status is 75; the lock is never released while one lives.
+    """
+    start(job, command, prefix=prefix, ttl=ttl, lock_delay=lock_delay, checks=checks, wait=wait,
+          concurrency=concurrency, skip_exit_code=skip_exit_code, schedules=schedules, on_holder_loss=on_holder_loss,
+          history=history, ping_url=ping_url, health_check=health_check, **consul)

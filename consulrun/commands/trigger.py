@@ -1,0 +1,54 @@
+"""`consulrun trigger`: ask for one manual run of a job on one node, now."""
+
+from __future__ import annotations
+
+import sys
+
+import click
+
+from consulrun.commands.common import default_consulrun_path, manifest_and_jobs
+from consulrun.commands.options import Duration, KvPrefix, consul_config, consul_options
+from consulrun.errors import ConsulrunError, ExitCode, UsageError
+
+
+@click.command()
+@click.argument("targets", nargs=-1, required=True, metavar="[MANIFEST] JOB")
+@click.option("--wait", "wait_ms", type=Duration(), default="0s", show_default=True,
+              help="If the job is running, wait up to this long for it to end, then trigger.")
+@click.option("--unit", default=None, help="The job's service unit [default: <unit_prefix>-<JOB>.service].")
+@click.option("--host", default=None, metavar="NODE", help="Trigger on NODE over ssh instead of this node.")
+@click.option("--prefix", type=KvPrefix(), default=None, help="KV prefix [default: the manifest's kv_prefix, else consulrun].")
+@consul_options
+def trigger(targets: tuple[str, ...], wait_ms: int, unit: str | None, host: str | None, prefix: str | None,
+            **consul: str | None) -> None:
+    """Run JOB once, now, on this node (or --host NODE), through its systemd unit.
+
+    Never beside another run of JOB: if it is running anywhere, this says so
+    and starts nothing (or waits, with --wait). The run is recorded in
+    history as manual, with who asked. Needs root (it runs systemctl start).
+    """
+    loaded, jobs = manifest_and_jobs(targets)
+    if len(jobs) != 1:
+        raise UsageError("trigger takes one JOB, after an optional MANIFEST")
+    job = jobs[0]
+    unit = unit or f"{loaded.unit_prefix if loaded else 'consulrun'}-{job}.service"
+    kv_prefix = (prefix if prefix is not None else (loaded.kv_prefix if loaded else "consulrun")).strip("/")
+    if host:
+        from consulrun.units.remote import run_remote
+
+        argv = ["trigger", "--wait", f"{wait_ms}ms", "--unit", unit, "--prefix", kv_prefix, job]
+        sys.exit(run_remote(host, argv, consul_path=default_consulrun_path()))  # the same consulrun path as units
+    from consulrun.consul.client import Client
+    from consulrun.protocol.trigger import systemctl_start, trigger as run_trigger
+
+    client = Client(consul_config(consul, loaded.consul if loaded else None))
+    outcome = run_trigger(client, f"{kv_prefix}/{job}", unit, wait_s=wait_ms / 1000, start_unit=systemctl_start)
+    record = outcome.record
+    if record is None:
+        raise ConsulrunError(f"{job}: {unit} ran no manual run (systemctl start: {outcome.unit_status}"
+                             + (f", {outcome.unit_output}" if outcome.unit_output else "")
+                             + "); see journalctl -u " + unit)
+    result = (f"exit status {record.get('exit_status')}" if record.get("state") == "done"
+              else f"{record.get('state')}: {record.get('reason', '')}")
+    click.echo(f"{job}: manual run on {record.get('node')} started {record.get('started')}: {result}")
+    sys.exit(0 if record.get("state") == "done" and record.get("exit_status") == 0 else ExitCode.FAILURE)
