@@ -8,7 +8,7 @@ workers). Each worker has its own dev agent on its own free ports, its own
 network namespaces, bridges and containers (named after its pid) and its own
 subnets: worker gwN moves every test subnet from 10.213.x.x to 10.(200+N).x.x
 (CONSULRUN_TEST_NET_PREFIX, which a caller such as the mutation driver may set
-first). A test module whose tests share one booted container or cluster
+first; CONSULRUN_TEST_NET_BASE moves the 200, for two checkouts testing at once). A test module whose tests share one booted container or cluster
 (a module-scoped fixture) runs on one worker, so that it is booted once.
 """
 
@@ -44,7 +44,8 @@ ONE_WORKER_MODULES = {"test_install", "test_onfailure", "test_remote", "test_tri
 def pytest_configure(config: pytest.Config) -> None:
     worker = os.environ.get("PYTEST_XDIST_WORKER", "")
     if worker.startswith("gw") and "CONSULRUN_TEST_NET_PREFIX" not in os.environ:
-        os.environ["CONSULRUN_TEST_NET_PREFIX"] = f"10.{200 + int(worker[2:])}."
+        base = int(os.environ.get("CONSULRUN_TEST_NET_BASE", "200"))
+        os.environ["CONSULRUN_TEST_NET_PREFIX"] = f"10.{base + int(worker[2:])}."
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
