@@ -61,6 +61,22 @@ def systemd_elapses(spec: str, base: int, tz: str, iterations: int) -> list[date
     return [datetime.strptime(m, "%Y-%m-%d %H:%M:%S").replace(tzinfo=timezone.utc) for m in found]
 
 
+def _second_pass_of_an_ambiguous_hour(spec: str, tz: str, times: list[datetime]) -> bool:
+    """True if a spec counted from the month's end (`~`) has an elapse in the repeated hour of a fall-back night.
+
+    There systemd 252 iterates a repeating spec (`*-*~7/1 *:0/15`) through the
+    second pass of the hour (02:00 CET) and skips the first (02:00 CEST), while
+    for every other spec, and for `~` with a fixed time, it keeps the first
+    pass and skips the second; oncalendar keeps the first pass always. README
+    (*Platform floor*) names the difference.
+    """
+    from zoneinfo import ZoneInfo
+
+    zone = ZoneInfo(spec.split()[-1] if calendar.names_zone(spec) and spec.split()[-1] != "UTC" else tz)
+    return "~" in spec and any(t.astimezone(zone).fold == 1 for t in times)
+
+
+@example(spec="*-*~7/1 *:0/15 Europe/Berlin", base=1_792_885_500, tz="UTC")
 @settings(max_examples=1000, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @example(spec="*-*-* 02:30:00 Europe/Berlin", base=int(datetime(2026, 3, 29, 0, 0, tzinfo=timezone.utc).timestamp()),
          tz="UTC")
@@ -78,6 +94,10 @@ def test_previous_and_following_agree_with_systemd(spec: str, base: int, tz: str
         return
     calendar.validate(spec)
     base_time = datetime.fromtimestamp(base, timezone.utc)
+    if _second_pass_of_an_ambiguous_hour(spec, tz, elapses):
+        # The one known difference (see the helper): still there, or this case must go.
+        assert [calendar.following([spec], t) for t in [base_time, *elapses[:-1]]] != elapses
+        return
     assert calendar.following([spec], base_time) == (elapses[0] if elapses else None)
     for earlier, later in zip(elapses, elapses[1:]):
         assert calendar.following([spec], earlier) == later

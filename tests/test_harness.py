@@ -98,6 +98,7 @@ def test_a_killed_runs_network_is_cleared_and_a_live_one_is_refused() -> None:
     fresh = Network(1, subnet=subnet, tag="zf")
     try:
         fresh.up()
+        subnet = str(fresh.net)  # a parallel worker moves it (CONSULRUN_TEST_NET_PREFIX)
         assert f"dev {fresh.bridge} " in _routed(subnet) + " "
         gone = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True).stdout
         assert leftover.namespace(0) not in gone and fresh.namespace(0) in gone
