@@ -66,8 +66,7 @@ def agent_node(consul_bin: str, workdir: Path, subnet: str, tag: str) -> Iterato
         yield ctr
     finally:
         if agent:
-            agent.terminate()
-            agent.wait(timeout=20)
+            Container.end_spawned(agent)
         if ctr:
             ctr.stop()
         network.down()
@@ -440,9 +439,10 @@ def ssh_cluster(consul_bin: str, workdir: Path, subnet: str, tag: str) -> Iterat
                                       workdir / f"consul-node{index + 1}.log"))
         yield nodes, network, key
     finally:
-        for proc in agents:
-            proc.terminate()
-            proc.wait(timeout=20)
+        for proc in agents:  # the agent itself, not only nsenter: one left inside keeps its node from powering off
+            Container.end_spawned(proc)
+        for ctr in nodes:  # all three power off at once, then each is waited for
+            ctr.power_off()
         for ctr in nodes:
             ctr.stop()
         network.down()

@@ -96,14 +96,14 @@ class Network:
             for index, ns in enumerate(self.names):
                 _ip("netns", "add", ns)
                 self.created.append(("netns", ns))
-                host_end, node_end = self.veth(index), f"eth{index}tmp"
-                _ip("link", "add", host_end, "type", "veth", "peer", "name", node_end)
+                host_end = self.veth(index)
+                # The node's end is made inside its namespace, as eth0: a name in the host's namespace (even for
+                # a moment) would collide with another worker's network being made at the same time.
+                _ip("link", "add", host_end, "type", "veth", "peer", "name", "eth0", "netns", ns)
                 self.created.append(("link", host_end))
-                _ip("link", "set", node_end, "netns", ns)
                 _ip("link", "set", host_end, "master", self.bridge)
                 _ip("link", "set", host_end, "up")
                 inside = ["netns", "exec", ns, "ip"]
-                _ip(*inside, "link", "set", node_end, "name", "eth0")
                 _ip(*inside, "addr", "add", f"{self.address(index)}/{self.net.prefixlen}", "dev", "eth0")
                 _ip(*inside, "link", "set", "eth0", "up")
                 _ip(*inside, "link", "set", "lo", "up")

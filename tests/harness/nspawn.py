@@ -41,6 +41,7 @@ class Container:
         self.merged = self.dir / "merged"
         self.console = self.dir / "console.log"
         self.process: subprocess.Popen[bytes] | None = None
+        self.powering_off = False
         self.pid1: int | None = None
 
     def _prepare(self) -> None:
@@ -109,15 +110,41 @@ class Container:
             return subprocess.Popen(["nsenter", "-t", str(self.pid1), "-a", "--", *cmd], stdout=out,
                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
 
+    @staticmethod
+    def end_spawned(proc: subprocess.Popen[bytes], timeout: float = 20) -> None:
+        """Stop a process `spawn` started: SIGTERM to it and to nsenter's child (nsenter does not pass signals
+        on), then wait; SIGKILL after `timeout`. A process left inside keeps the container from powering off."""
+        children = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
+        for pid in [proc.pid, *map(int, children)]:
+            try:
+                os.kill(pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            for pid in [proc.pid, *map(int, children)]:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            proc.wait(timeout=10)
+
     @property
     def unit_dir(self) -> Path:
         """The container's /etc/systemd/system, seen from the host."""
         return self.merged / "etc" / "systemd" / "system"
 
+    def power_off(self) -> None:
+        """Ask the container to power off and return at once (`stop` waits): several then shut down side by side."""
+        if self.process and self.process.poll() is None and not self.powering_off:
+            self.process.send_signal(signal.SIGTERM)  # nspawn asks the container's systemd to power off
+            self.powering_off = True
+
     def stop(self) -> None:
         """Power the container off; whatever is still in its cgroup after that is killed. Never raises."""
         if self.process and self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)  # nspawn asks the container's systemd to power off
+            self.power_off()
             try:
                 self.process.wait(timeout=30)
             except subprocess.TimeoutExpired:
