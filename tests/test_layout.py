@@ -112,3 +112,34 @@ def test_no_module_is_long_without_saying_why() -> None:
         if lines > MODULE_LINES_AT_MOST and "Why this module is long" not in doc:
             long.append(f"{path.relative_to(PACKAGE.parent)}: {lines} lines")
     assert not long, "modules over ~400 lines whose docstring does not say why they are one:\n" + "\n".join(long)
+
+
+def test_the_mutation_groups_name_files_and_functions_that_exist() -> None:
+    """scripts/mutation.toml names code by path and name: a move or a rename must carry it along."""
+    import tomllib
+
+    config = tomllib.loads((PACKAGE.parent / "scripts" / "mutation.toml").read_text(encoding="utf-8"))
+    missing = []
+    for group, spec in config["groups"].items():
+        for path, names in spec["mutate"].items():
+            file = PACKAGE.parent / path
+            if not file.is_file():
+                missing.append(f"{group}: {path}")
+                continue
+            tree = ast.parse(file.read_text(encoding="utf-8"))
+            defined = {n.name: n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
+            assigned = {t.id for n in tree.body if isinstance(n, ast.Assign) for t in n.targets
+                        if isinstance(t, ast.Name)}
+            for name in names:
+                outer, _, inner = name.partition(".")
+                node = defined.get(outer)
+                found = node is not None or outer in assigned
+                if found and inner:
+                    found = isinstance(node, ast.ClassDef) and any(
+                        isinstance(m, ast.FunctionDef) and m.name == inner for m in node.body)
+                if not found:
+                    missing.append(f"{group}: {path}: {name}")
+    assert not missing, missing
+    tests = [t for spec in [*config["groups"].values(), {"tests": [t for s in config["subsets"].values() for t in s]}]
+             for t in spec["tests"] if t.startswith("tests/")]
+    assert all((PACKAGE.parent / t.split("::")[0]).is_file() for t in tests), tests
