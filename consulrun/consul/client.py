@@ -512,6 +512,24 @@ class Client:
         _, found = self._visible(f"reading the health of node {node}", f"/v1/health/node/{node}", [])
         return found or []
 
+    def node_health(self, node: str) -> tuple[list[dict[str, Any]], bool]:
+        """The checks of `node` the token may read, and whether ACLs hid others.
+
+        Consul hides the checks of services the token may not read; a caller
+        that needs only some checks (those bound to a session) judges whether
+        what is hidden matters, with `hidden_checks_refused`.
+        """
+        what = f"reading the health of node {node}"
+        with self._translated(what):
+            code, headers, text = self._call("GET", f"/v1/health/node/{node}")
+            return (json.loads(text) if code != 404 else None) or [], _acl_filtered(headers)
+
+    def hidden_checks_refused(self, node: str, missing: list[str]) -> PermissionDenied:
+        """The error for checks a session is bound to that ACLs hid (they are never taken for gone)."""
+        return PermissionDenied(f"reading the health of node {node} via {self.address}: Consul ACL denied it: the "
+                                f"token cannot read the check(s) {', '.join(missing)} bound to a session there "
+                                f"({ACL_FILTERED_HEADER})")
+
 
 ACL_FILTERED_HEADER = "X-Consul-Results-Filtered-By-ACLs"
 
