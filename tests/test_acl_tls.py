@@ -300,3 +300,123 @@ def test_a_token_that_cannot_read_every_node_does_not_take_turns_and_says_so(acl
         assert ("cannot see every member of the cluster (its ACL token needs node:read on every node)" in err) \
             == (name == "blind"), err
         assert blocks.hits == [], blocks.hits  # no turn: no blocking read of the record
+
+
+# --- The consul CLI's rules for connection settings (api/api.go), against a raw listener and the TLS agent -----
+
+
+class RawListener:
+    """A loopback TCP listener that records the bytes each connection sends, and answers nothing: what a client
+    would hand an address, seen before any protocol could hide it."""
+
+    def __init__(self) -> None:
+        import socket
+        import threading
+
+        self._sock = socket.socket()
+        self._sock.bind(("127.0.0.1", 0))
+        self._sock.listen(8)
+        self._sock.settimeout(0.2)
+        self.port = self._sock.getsockname()[1]
+        self.received: list[bytes] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        import socket
+
+        while not self._stop.is_set():
+            try:
+                conn, _ = self._sock.accept()
+            except (TimeoutError, socket.timeout):
+                continue
+            with conn:
+                conn.settimeout(2)
+                data = b""
+                try:
+                    while len(data) < 65536 and (chunk := conn.recv(65536)):
+                        data += chunk
+                except OSError:
+                    pass
+                self.received.append(data)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(10)
+        self._sock.close()
+
+    def __enter__(self) -> "RawListener":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+SECRET = "s3cr3t-token-value"
+
+
+def test_consul_http_ssl_with_an_http_address_sends_tls_never_the_token_in_cleartext(tls_agent,
+                                                                                      tmp_path: Path) -> None:
+    """api.go: "Never revert to http if TLS was explicitly requested". Before, consulrun sent
+    `X-Consul-Token: s3cr3t-token-value` in cleartext to http://... although CONSUL_HTTP_SSL=true."""
+    with RawListener() as raw:
+        code, out, err = finish(consulrun("status", env={
+            "CONSUL_HTTP_ADDR": f"http://127.0.0.1:{raw.port}", "CONSUL_HTTP_SSL": "true",
+            "CONSUL_HTTP_TOKEN": SECRET}))
+        wait_for(lambda: raw.received, 10, "the client's first bytes")
+    assert code == 69 and "TLS failure talking to Consul" in err and out == "", (code, out, err)
+    assert all(SECRET.encode() not in data for data in raw.received), raw.received
+    assert raw.received[0][:2] == b"\x16\x03", raw.received[0][:80]  # a TLS handshake record: the ClientHello
+    # The real agent's HTTPS port under an http:// address: TLS, and the run works.
+    agent, port, files = tls_agent
+    code, _, err = finish(consulrun("run", "sslhttp", "--", "true", env={
+        "CONSUL_HTTP_ADDR": f"http://127.0.0.1:{port}", "CONSUL_HTTP_SSL": "1", "CONSUL_CACERT": str(files["ca"]),
+        "CONSUL_CLIENT_CERT": str(files["client"]), "CONSUL_CLIENT_KEY": str(files["client_key"])}))
+    assert code == 0 and "acquired consulrun/sslhttp/lock" in err, err
+
+
+def test_consul_capath_is_honoured_after_consul_cacert(tls_agent, consul_bin: str, tmp_path: Path) -> None:
+    """CONSUL_CAPATH: every file of a folder (sub-folders too) as CA certificates; CONSUL_CACERT wins over it;
+    a file that holds no certificate is refused naming it. Before, CONSUL_CAPATH was ignored."""
+    agent, port, files = tls_agent
+    other = _tls_material(consul_bin, tmp_path / "other-ca")
+    env = {"CONSUL_HTTP_ADDR": f"https://127.0.0.1:{port}", "CONSUL_CLIENT_CERT": str(files["client"]),
+           "CONSUL_CLIENT_KEY": str(files["client_key"])}
+    good, wrong, junk = tmp_path / "good", tmp_path / "wrong", tmp_path / "junk"
+    (good / "nested").mkdir(parents=True)
+    (good / "nested" / "ca.pem").write_bytes(files["ca"].read_bytes())  # not a hashed name: no c_rehash needed
+    (good / "other.pem").write_bytes(other["ca"].read_bytes())
+    wrong.mkdir()
+    (wrong / "ca.pem").write_bytes(other["ca"].read_bytes())
+    junk.mkdir()
+    (junk / "ca.pem").write_bytes(files["ca"].read_bytes())
+    (junk / "README").write_text("not a certificate\n")
+    code, _, err = finish(consulrun("run", "capath", "--", "true", env={**env, "CONSUL_CAPATH": str(good)}))
+    assert code == 0 and "acquired consulrun/capath/lock" in err, err
+    code, _, err = finish(consulrun("run", "capath", "--", "true", env={**env, "CONSUL_CAPATH": str(wrong)}))
+    assert code == 69 and "CERTIFICATE_VERIFY_FAILED" in err, err
+    code, _, err = finish(consulrun("run", "capath", "--", "true", env={**env, "CONSUL_CAPATH": str(wrong),
+                                                                         "CONSUL_CACERT": str(files["ca"])}))
+    assert code == 0, err  # CONSUL_CACERT first, as go-rootcerts has it
+    code, _, err = finish(consulrun("run", "capath", "--", "true", env={**env, "CONSUL_CAPATH": str(junk)}))
+    assert code == 2 and err.count("\n") == 1 and f"{junk / 'README'} holds no PEM certificate" in err, err
+    code, _, err = finish(consulrun("status", "--ca-path", str(good), env=env))
+    assert code in (0, 6), err  # the option says the same as the variable (6: nothing under the prefix yet)
+
+
+def test_tls_settings_the_consul_cli_refuses_or_would_guess_are_refused_before_any_connection(tmp_path: Path) -> None:
+    """A boolean Go's ParseBool does not take (the consul CLI then warns and, for CONSUL_HTTP_SSL_VERIFY, skips
+    verification), and a client certificate without its key (api.go refuses it): exit 2, nothing sent."""
+    cert = tmp_path / "cert.pem"
+    cert.write_text("unused\n")
+    with RawListener() as raw:
+        base = {"CONSUL_HTTP_ADDR": f"127.0.0.1:{raw.port}", "CONSUL_HTTP_TOKEN": SECRET}
+        for extra, message in (({"CONSUL_HTTP_SSL": "yes"}, "CONSUL_HTTP_SSL='yes' is not a boolean"),
+                               ({"CONSUL_HTTP_SSL": "1", "CONSUL_HTTP_SSL_VERIFY": "no"},
+                                "CONSUL_HTTP_SSL_VERIFY='no' is not a boolean"),
+                               ({"CONSUL_HTTP_SSL": "1", "CONSUL_CLIENT_CERT": str(cert)},
+                                "give both a client certificate and its key")):
+            code, out, err = finish(consulrun("run", "refused", "--", "true", env={**base, **extra}))
+            assert code == 2 and err.count("\n") == 1 and message in err and SECRET not in err, (extra, err)
+    assert raw.received == []

@@ -89,6 +89,8 @@ CONSUL_OPTIONS = [
     click.option("--token-file", envvar="CONSUL_HTTP_TOKEN_FILE", show_envvar=True, metavar="FILE",
                  help="File holding the ACL token (CONSUL_HTTP_TOKEN is read too; no option puts a token on the command line)."),
     click.option("--ca-file", envvar="CONSUL_CACERT", show_envvar=True, metavar="FILE", help="CA certificate for HTTPS."),
+    click.option("--ca-path", envvar="CONSUL_CAPATH", show_envvar=True, metavar="DIR",
+                 help="Folder of CA certificates for HTTPS (every file in it, sub-folders too; --ca-file wins)."),
     click.option("--client-cert", envvar="CONSUL_CLIENT_CERT", show_envvar=True, metavar="FILE",
                  help="Client certificate for HTTPS."),
     click.option("--client-key", envvar="CONSUL_CLIENT_KEY", show_envvar=True, metavar="FILE",

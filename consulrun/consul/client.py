@@ -49,10 +49,24 @@ class _ChecksRefused(Exception):
         self.why = why
 
 
-def _truthy(value: str | None) -> bool | None:
+_GO_BOOLS = {"1": True, "t": True, "T": True, "TRUE": True, "true": True, "True": True,
+             "0": False, "f": False, "F": False, "FALSE": False, "false": False, "False": False}
+
+
+def _go_bool(env: dict[str, str], name: str) -> bool | None:
+    """A boolean variable as the consul CLI reads it (Go's strconv.ParseBool); None if unset or empty.
+
+    Where the CLI only warns about another value and goes on (for
+    CONSUL_HTTP_SSL_VERIFY=yes it then skips verifying the agent's
+    certificate), this refuses it: a setting about TLS is never guessed.
+    """
+    value = env.get(name)
     if value is None or value == "":
         return None
-    return value.strip().lower() in ("1", "true", "yes", "on")
+    if value not in _GO_BOOLS:
+        raise UsageError(f"{name}={value[:40]!r} is not a boolean as the consul CLI reads one "
+                         "(1, t, true, TRUE, True or 0, f, false, FALSE, False)")
+    return _GO_BOOLS[value]
 
 
 @record
@@ -65,21 +79,24 @@ class ConsulConfig:
     ssl: bool | None = None
     ssl_verify: bool = True
     ca_file: str | None = None
+    ca_path: str | None = None
     client_cert: str | None = None
     client_key: str | None = None
     tls_server_name: str | None = None
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None, **overrides: Any) -> "ConsulConfig":
-        """Read CONSUL_HTTP_* / CONSUL_CACERT / CONSUL_CLIENT_* like the consul CLI; `overrides` win when not None."""
+        """Read CONSUL_HTTP_* / CONSUL_CACERT / CONSUL_CAPATH / CONSUL_CLIENT_* like the consul CLI (api/api.go's
+        defaultConfig); `overrides` win when not None."""
         env = dict(os.environ if env is None else env)
         values: dict[str, Any] = {
             "address": env.get("CONSUL_HTTP_ADDR") or "127.0.0.1:8500",
             "token": env.get("CONSUL_HTTP_TOKEN") or None,
             "token_file": env.get("CONSUL_HTTP_TOKEN_FILE") or None,
-            "ssl": _truthy(env.get("CONSUL_HTTP_SSL")),
-            "ssl_verify": _truthy(env.get("CONSUL_HTTP_SSL_VERIFY")) is not False,
+            "ssl": _go_bool(env, "CONSUL_HTTP_SSL"),
+            "ssl_verify": _go_bool(env, "CONSUL_HTTP_SSL_VERIFY") is not False,
             "ca_file": env.get("CONSUL_CACERT") or None,
+            "ca_path": env.get("CONSUL_CAPATH") or None,
             "client_cert": env.get("CONSUL_CLIENT_CERT") or None,
             "client_key": env.get("CONSUL_CLIENT_KEY") or None,
             "tls_server_name": env.get("CONSUL_TLS_SERVER_NAME") or None,
@@ -88,7 +105,8 @@ class ConsulConfig:
         return cls(**values)
 
     def endpoint(self, allow_unix: bool = False) -> tuple[str, str, int]:
-        """(scheme, host, port), an IPv6 host in brackets; CONSUL_HTTP_SSL decides the scheme when the address has none.
+        """(scheme, host, port), an IPv6 host in brackets; with CONSUL_HTTP_SSL true the scheme is https even where
+        the address says http:// (as the consul CLI: never plain HTTP once TLS was asked for).
 
         A unix socket address gives ("http", "localhost", 80) only to a caller
         that says it sends its requests to `socket_path` itself (the Client does).
@@ -238,21 +256,54 @@ def _short(exc: BaseException) -> str:
 
 
 def _tls_context(config: ConsulConfig) -> ssl.SSLContext:
-    """The agent's certificate checked against CONSUL_CACERT (else the system's CAs), unless CONSUL_HTTP_SSL_VERIFY=false."""
+    """The agent's certificate checked, unless CONSUL_HTTP_SSL_VERIFY=false, against CONSUL_CACERT, else every
+    certificate under CONSUL_CAPATH, else the system's CAs: go-rootcerts' order, which the consul CLI uses."""
     import ssl
 
+    if bool(config.client_cert) != bool(config.client_key):  # api.go: "both client cert and client key must be provided"
+        raise UsageError("Consul TLS: give both a client certificate and its key (CONSUL_CLIENT_CERT and "
+                         "CONSUL_CLIENT_KEY), or neither")
     try:
         context = ssl.create_default_context(cafile=config.ca_file if config.ssl_verify else None)
+        if config.ssl_verify and not config.ca_file and config.ca_path:
+            context = ssl.create_default_context(cadata=_ca_path_pem(config.ca_path))
         if not config.ssl_verify:
             context.check_hostname = False
             context.verify_mode = ssl.CERT_NONE
         if config.client_cert:
             context.load_cert_chain(config.client_cert, config.client_key)
     except (OSError, ssl.SSLError) as exc:
-        files = ", ".join(f for f in (config.ca_file, config.client_cert, config.client_key) if f)
+        files = ", ".join(f for f in (config.ca_file, config.ca_path, config.client_cert, config.client_key) if f)
         reason = _short(exc) if isinstance(exc, ssl.SSLError) else os_reason(exc)
         raise UsageError(f"Consul TLS files ({files}): {reason}") from None
     return context
+
+
+def _ca_path_pem(path: str) -> str:
+    """Every file under CONSUL_CAPATH, walked as go-rootcerts walks it (sub-folders too, no hashed names needed,
+    as OpenSSL's own capath would); each must hold a PEM certificate, or it is refused naming the file."""
+    if not os.path.isdir(path):
+        raise UsageError(f"Consul CA path {path}: not a directory")
+    texts = []
+    for folder, subfolders, names in os.walk(path, onerror=_raise):
+        subfolders.sort()
+        for name in sorted(names):
+            where = os.path.join(folder, name)
+            try:
+                with open(where, encoding="ascii", errors="replace") as handle:
+                    text = handle.read()
+            except OSError as exc:
+                raise UsageError(f"Consul CA path {path}: {where}: {os_reason(exc)}") from None
+            if "-----BEGIN CERTIFICATE-----" not in text:
+                raise UsageError(f"Consul CA path {path}: {where} holds no PEM certificate")
+            texts.append(text)
+    if not texts:
+        raise UsageError(f"Consul CA path {path}: no certificate in it")
+    return "\n".join(texts)
+
+
+def _raise(exc: OSError) -> None:
+    raise UsageError(f"Consul CA path {exc.filename}: {os_reason(exc)}")
 
 
 Response = tuple[int, dict[str, str], str]  # headers with lower-case names
@@ -562,6 +613,7 @@ def consul_config(kwargs: dict[str, Any], manifest_consul: "ConsulSettings | Non
     env = {**manifest_consul_env(manifest_consul), **{k: v for k, v in os.environ.items() if v}}
     config = ConsulConfig.from_env(
         env, address=kwargs.pop("http_addr"), token_file=kwargs.pop("token_file"), ca_file=kwargs.pop("ca_file"),
+        ca_path=kwargs.pop("ca_path"),
         client_cert=kwargs.pop("client_cert"), client_key=kwargs.pop("client_key"),
         tls_server_name=kwargs.pop("tls_server_name"))
     config.endpoint(allow_unix=True)  # a bad address is a usage error now, before anything else happens
