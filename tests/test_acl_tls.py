@@ -420,3 +420,26 @@ def test_tls_settings_the_consul_cli_refuses_or_would_guess_are_refused_before_a
             code, out, err = finish(consulrun("run", "refused", "--", "true", env={**base, **extra}))
             assert code == 2 and err.count("\n") == 1 and message in err and SECRET not in err, (extra, err)
     assert raw.received == []
+
+
+def test_the_token_file_wins_over_consul_http_token_as_in_the_consul_cli(acl_agent: tuple[Agent, str],
+                                                                          tmp_path: Path) -> None:
+    """api.go: "If the TokenFile is set, always use that, even if a Token is configured" (an empty file leaves
+    the token). Before, CONSUL_HTTP_TOKEN won over CONSUL_HTTP_TOKEN_FILE."""
+    agent, management = acl_agent
+    _acl(agent, management, "PUT", "acl/policy", {"Name": "consulrun", "Rules": CliRunner().invoke(main, ["acl-policy"]).stdout})
+    good = _acl(agent, management, "PUT", "acl/token", {"Policies": [{"Name": "consulrun"}]})["SecretID"]
+    weak = _acl(agent, management, "PUT", "acl/token", {"Description": "no rights"})["SecretID"]
+    env = {"CONSUL_HTTP_ADDR": agent.http_addr}
+    code, _, err = finish(consulrun("run", "tokenfile", "--", "true", env={
+        **env, "CONSUL_HTTP_TOKEN": weak, "CONSUL_HTTP_TOKEN_FILE": str(_token_file(tmp_path, "good", good))}))
+    assert code == 0 and "acquired consulrun/tokenfile/lock" in err, err
+    empty = tmp_path / "empty"
+    empty.write_text("\n")
+    empty.chmod(0o600)
+    code, _, err = finish(consulrun("run", "tokenfile", "--", "true", env={
+        **env, "CONSUL_HTTP_TOKEN": good, "CONSUL_HTTP_TOKEN_FILE": str(empty)}))
+    assert code == 0, err
+    code, _, err = finish(consulrun("run", "tokenfile", "--", "true", env={
+        **env, "CONSUL_HTTP_TOKEN": good, "CONSUL_HTTP_TOKEN_FILE": str(_token_file(tmp_path, "weak", weak))}))
+    assert code == 77 and "Consul ACL denied it" in err, err

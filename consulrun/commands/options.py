@@ -87,7 +87,8 @@ CONSUL_OPTIONS = [
                  help="Address of the local Consul agent: [http[s]://]HOST[:PORT], an IPv6 HOST in brackets "
                       "[default: 127.0.0.1:8500]."),
     click.option("--token-file", envvar="CONSUL_HTTP_TOKEN_FILE", show_envvar=True, metavar="FILE",
-                 help="File holding the ACL token (CONSUL_HTTP_TOKEN is read too; no option puts a token on the command line)."),
+                 help="File holding the ACL token; a token in it wins over CONSUL_HTTP_TOKEN, as in the consul CLI "
+                      "(no option puts a token on the command line)."),
     click.option("--ca-file", envvar="CONSUL_CACERT", show_envvar=True, metavar="FILE", help="CA certificate for HTTPS."),
     click.option("--ca-path", envvar="CONSUL_CAPATH", show_envvar=True, metavar="DIR",
                  help="Folder of CA certificates for HTTPS (every file in it, sub-folders too; --ca-file wins)."),

@@ -135,27 +135,34 @@ class ConsulConfig:
             return None
 
     def resolved_token(self, label: str | None = None) -> str | None:
-        """The ACL token to send: given (--token, CONSUL_HTTP_TOKEN) or read from the token file; None if neither.
+        """The ACL token to send: the token file's (--token-file, CONSUL_HTTP_TOKEN_FILE) if it holds one, else
+        CONSUL_HTTP_TOKEN; None if neither. The file wins, as in the consul CLI (api.go: "If the TokenFile is set,
+        always use that, even if a Token is configured").
 
         A token that cannot travel in an HTTP header (a line break, a control
         or non-ASCII character) is refused without being shown: it is a secret
         and error lines end up in the journal.
         """
+        from_file = _token_from_file(self.token_file, label) if self.token_file else None
+        if from_file:
+            return from_file
         if self.token:
             return _sendable(self.token, "the Consul token (--token or CONSUL_HTTP_TOKEN)")
-        if self.token_file:
-            try:
-                with open(self.token_file, encoding="utf-8") as handle:
-                    if os.fstat(handle.fileno()).st_mode & 0o077:
-                        logging.getLogger("consulrun").warning(
-                            "%sConsul token file %s is readable by others; make it mode 0600",
-                            f"{label}: " if label else "", self.token_file)
-                    token = handle.read().strip() or None
-            except (OSError, UnicodeDecodeError) as exc:
-                reason = os_reason(exc) if isinstance(exc, OSError) else "not UTF-8 text"
-                raise UsageError(f"Consul token file {self.token_file}: {reason}") from None
-            return _sendable(token, f"Consul token file {self.token_file}") if token else None
         return None
+
+
+def _token_from_file(path: str, label: str | None) -> str | None:
+    try:
+        with open(path, encoding="utf-8") as handle:
+            if os.fstat(handle.fileno()).st_mode & 0o077:
+                logging.getLogger("consulrun").warning(
+                    "%sConsul token file %s is readable by others; make it mode 0600", f"{label}: " if label else "",
+                    path)
+            token = handle.read().strip() or None
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = os_reason(exc) if isinstance(exc, OSError) else "not UTF-8 text"
+        raise UsageError(f"Consul token file {path}: {reason}") from None
+    return _sendable(token, f"Consul token file {path}") if token else None
 
 
 def _sendable(token: str, where: str) -> str:
