@@ -143,3 +143,45 @@ def test_a_bound_check_the_token_cannot_read_is_still_exit_77_never_taken_for_go
     code, out, err = finish(consulrun("status", "bound", env=env))
     assert code == 77 and out == "" and err.count("\n") == 1, (code, out, err)
     assert "the token cannot read the check(s) web-ttl bound to a session there" in err, err
+
+
+# --- A manifest's consul: section and the operator's secrets ----------------------------------------------------
+
+
+def test_a_manifest_does_not_choose_where_a_local_token_goes(tmp_path: Path) -> None:
+    """`consul: {address, token_file}` in a manifest someone else wrote: before, `status MANIFEST` sent
+    `X-Consul-Token: <that file's content>` to the manifest's address. Now nothing reaches that address unless the
+    operator says so; an address the operator gave takes the token as before."""
+    from tests.test_acl_tls import RawListener
+
+    secret = "vault-token-abc123"
+    stolen = tmp_path / "vault-token"
+    stolen.write_text(secret + "\n")
+    stolen.chmod(0o600)
+    with RawListener() as raw:
+        manifest = tmp_path / "jobs.yaml"
+        manifest.write_text(f"consul:\n  address: http://127.0.0.1:{raw.port}\n  token_file: {stolen}\n"
+                            f'jobs:\n  j1: {{command: "true", schedule: daily}}\n')
+        plain = {k: v for k, v in os.environ.items() if not k.startswith("CONSUL_")}
+        for command in (["status", str(manifest)], ["history", str(manifest), "j1"], ["unlock", str(manifest), "j1"]):
+            code, out, err = finish(consulrun(*command, env=plain))
+            assert code == 2 and out == "" and err.count("\n") == 1, (command, code, out, err)
+            assert f"the manifest's consul.address 'http://127.0.0.1:{raw.port}' would receive the ACL token from " \
+                   f"the file {stolen} the manifest names" in err and "--trust-manifest-consul" in err, err
+            assert secret not in err
+        # The operator's own token is not sent there either.
+        code, _, err = finish(consulrun("status", str(manifest), env={**plain, "CONSUL_HTTP_TOKEN": "operator-token"}))
+        assert code == 2 and "would receive the ACL token from CONSUL_HTTP_TOKEN" in err, err
+        assert raw.received == []
+        # Said so: the token goes where the manifest says (the listener answers nothing: exit 69).
+        code, _, err = finish(consulrun("status", "--trust-manifest-consul", str(manifest), env=plain))
+        assert code == 69, err
+        wait_for(lambda: raw.received, 10, "the trusted request")
+        assert f"X-Consul-Token: {secret}".encode() in raw.received[0]
+        # The operator's address: the manifest's token file goes to the agent the operator named.
+        raw.received.clear()
+        code, _, err = finish(consulrun("status", str(manifest), env={
+            **plain, "CONSUL_HTTP_ADDR": f"127.0.0.1:{raw.port}"}))
+        assert code == 69, err
+        wait_for(lambda: raw.received, 10, "the request to the operator's address")
+        assert f"X-Consul-Token: {secret}".encode() in raw.received[0]

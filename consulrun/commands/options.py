@@ -101,10 +101,22 @@ CONSUL_OPTIONS = [
 ]
 
 
-def consul_options(func: Callable[..., Any]) -> Callable[..., Any]:
+TRUST_MANIFEST_CONSUL = click.option(
+    "--trust-manifest-consul", is_flag=True,
+    help="Send the ACL token to the address the manifest's consul: section names (refused otherwise: a manifest "
+         "does not choose where a local secret goes).")
+
+
+def agent_options(func: Callable[..., Any]) -> Callable[..., Any]:
+    """The connection options of a command that reads no manifest (run, reap)."""
     for option in reversed(CONSUL_OPTIONS):
         func = option(func)
     return func
+
+
+def consul_options(func: Callable[..., Any]) -> Callable[..., Any]:
+    """The connection options of a command that may read a manifest, with its `consul:` settings."""
+    return agent_options(TRUST_MANIFEST_CONSUL(func))
 
 
 def consul_config(kwargs: dict[str, Any], manifest_consul: "ConsulSettings | None" = None) -> "ConsulConfig":

@@ -615,13 +615,29 @@ def consul_config(kwargs: dict[str, Any], manifest_consul: "ConsulSettings | Non
 
     A manifest's `consul:` settings come below both: a command pointed at a
     manifest reaches Consul as that manifest's units do, unless the operator's
-    environment or options say otherwise.
+    environment or options say otherwise. A token (the operator's, or the
+    file the manifest names) is never sent to an address only the manifest
+    chose unless the operator says so (`trust_manifest_consul`): whoever
+    wrote the manifest would otherwise choose where a local secret goes.
     """
-    env = {**manifest_consul_env(manifest_consul), **{k: v for k, v in os.environ.items() if v}}
+    trusted = bool(kwargs.pop("trust_manifest_consul", False))
+    operator = {k: v for k, v in os.environ.items() if v}
+    manifest = manifest_consul_env(manifest_consul)
+    if operator.get("CONSUL_HTTP_TOKEN") or kwargs.get("token_file"):
+        manifest.pop("CONSUL_HTTP_TOKEN_FILE", None)  # the operator's token, not the file the manifest names
+    env = {**manifest, **operator}
+    address_by_manifest = kwargs.get("http_addr") is None and "CONSUL_HTTP_ADDR" in manifest
     config = ConsulConfig.from_env(
         env, address=kwargs.pop("http_addr"), token_file=kwargs.pop("token_file"), ca_file=kwargs.pop("ca_file"),
         ca_path=kwargs.pop("ca_path"),
         client_cert=kwargs.pop("client_cert"), client_key=kwargs.pop("client_key"),
         tls_server_name=kwargs.pop("tls_server_name"))
     config.endpoint(allow_unix=True)  # a bad address is a usage error now, before anything else happens
+    if address_by_manifest and not trusted and (config.token or config.token_file):
+        source = (f"the file {config.token_file}" + (" the manifest names" if config.token_file ==
+                                                     manifest.get("CONSUL_HTTP_TOKEN_FILE") else "")
+                  if config.token_file else "CONSUL_HTTP_TOKEN")
+        raise UsageError(f"the manifest's consul.address {config.address!r} would receive the ACL token from "
+                         f"{source}: a manifest does not choose where a local secret goes; give the address "
+                         "yourself (--http-addr or CONSUL_HTTP_ADDR) or pass --trust-manifest-consul")
     return config
