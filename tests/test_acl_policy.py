@@ -81,16 +81,17 @@ def _ok(proc: object, *expected: int) -> tuple[str, str]:
     return out, err
 
 
-def _node_commands(env: dict[str, str], tmp_path: Path, manifest: Path) -> object:
-    """run (holding acljob's lock), a second run that skips, reap and the watchdog; returns the running holder."""
-    started = tmp_path / "started"
-    holder = consulrun("run", "--schedule", SCHEDULE, "acljob", "--", "sh", "-c", f"touch {started}; sleep 120",
-                       env=env)
+def _node_commands(env: dict[str, str], tmp_path: Path, watchdog: Path | None, job: str = "acljob") -> object:
+    """run (holding `job`'s lock), a second run that skips, reap and, given a manifest, the watchdog; returns the
+    running holder."""
+    started = tmp_path / f"started-{job}"
+    holder = consulrun("run", "--schedule", SCHEDULE, job, "--", "sh", "-c", f"touch {started}; sleep 120", env=env)
     wait_for(started.exists, 30, "the job under the token")
-    _ok(consulrun("run", "--schedule", SCHEDULE, "--skip-exit-code", "3", "acljob", "--", "true", env=env), 3)
-    _ok(consulrun("reap", "acljob", env=env))
-    _, err = _ok(consulrun("watchdog", str(manifest), env=env))
-    assert "registered the external node consulrun" in err, err
+    _ok(consulrun("run", "--schedule", SCHEDULE, "--skip-exit-code", "3", job, "--", "true", env=env), 3)
+    _ok(consulrun("reap", job, env=env))
+    if watchdog:
+        _, err = _ok(consulrun("watchdog", str(watchdog), env=env))
+        assert "registered the external node consulrun" in err, err
     return holder
 
 
@@ -185,3 +186,106 @@ def test_a_manifest_does_not_choose_where_a_local_token_goes(tmp_path: Path) -> 
         assert code == 69, err
         wait_for(lambda: raw.received, 10, "the request to the operator's address")
         assert f"X-Consul-Token: {secret}".encode() in raw.received[0]
+
+
+# --- Least privilege per role ------------------------------------------------------------------------------------
+
+
+def _rule(kind: str, name: str, policy: str) -> str:
+    return f'{kind} "{name}" {{\n  policy = "{policy}"\n}}\n'
+
+
+@pytest.mark.parametrize(("health", "service_read"), [(False, False), (True, False), (False, True)],
+                         ids=["plain", "health-checks", "service-checks"])
+def test_the_role_policies_are_exactly_the_documented_ones(tmp_path: Path, health: bool, service_read: bool) -> None:
+    """Written out by hand: a rule added or widened fails the comparison."""
+    manifest = tmp_path / "jobs.yaml"
+    manifest.write_text(("health_checks: true\n" if health else "") + "kv_prefix: team/jobs\njobs:\n"
+                        + ('  j: {command: "true", schedule: daily, lock: {checks: [web-ttl]}}\n' if service_read
+                           else '  j: {command: "true", schedule: daily}\n'))
+    service = _rule("service_prefix", "", "read") if service_read else ""
+    catalog = ('# the jobs\' health checks: the external node "team-jobs" and its service\n'
+               + _rule("node", "team-jobs", "write") + _rule("service", "team-jobs", "write")) if health else ""
+    node = ('# consulrun: what node "web-1.dc" needs to run, skip, take over and reap jobs under "team/jobs/"\n'
+            + _rule("key_prefix", "team/jobs/", "write")
+            + "# sessions and the agent of this node only: no other node's, no other application's elsewhere\n"
+            + _rule("session", "web-1.dc", "write") + _rule("agent", "web-1.dc", "read")
+            + "# the members of the cluster (turns) and this node's checks\n" + _rule("node_prefix", "", "read")
+            + service
+            + ("# the watchdog judges every holder: it reads sessions on every node (it cannot create or destroy "
+               "them)\n" + _rule("session_prefix", "", "read") if health else "") + catalog)
+    operator = ("# consulrun: what an operator needs for status, unlock, pause, resume, trigger, history and the "
+                'exporter under "team/jobs/"\n' + _rule("key_prefix", "team/jobs/", "write")
+                + "# unlock destroys a holder's session on whichever node it is; status reads every holder's\n"
+                + _rule("session_prefix", "", "write") + "# a holder's checks; trigger names the node it runs on\n"
+                + _rule("node_prefix", "", "read") + _rule("agent_prefix", "", "read") + service + catalog)
+    assert _printed(str(manifest), "--node", "web-1.dc") == node
+    assert _printed(str(manifest), "--operator") == operator
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--node", 'x" {} key_prefix "'], "--node: node name 'x\" {} key_prefix \"' must be 1 to 128 letters"),
+    (["--node", ""], "--node: node name '' must be"),
+    (["--node", "n1", "--operator"], "--node and --operator are two roles: give one"),
+], ids=["hcl-injection", "empty", "two-roles"])
+def test_a_role_that_cannot_be_printed_is_one_line(args: list[str], message: str) -> None:
+    result = CliRunner().invoke(main, ["acl-policy", *args])
+    assert (result.exit_code, result.stdout) == (2, "") and result.stderr.count("\n") == 1, result.output
+    assert message in result.stderr, result.stderr
+
+
+def _elsewhere(agent: Agent, management: str) -> str:
+    """Another application's session on another node (as Vault's HA lock on a Vault server), holding its lock."""
+    assert _as(agent, management, "PUT", "catalog/register", {"Node": "vault1", "Address": "127.0.0.2"}).ok
+    other = _as(agent, management, "PUT", "session/create",
+                {"Name": "vault-ha-lock", "Node": "vault1", "NodeChecks": []}).json()["ID"]
+    assert _as(agent, management, "PUT", f"kv/vault/ha/lock?acquire={other}", {"held": "vault1"}).json() is True
+    return other
+
+
+def _cannot_touch_elsewhere(agent: Agent, token: str, other: str, can_list: bool) -> None:
+    """The node's token: no session on another node, no destroying another application's, no listing it (unless
+    the watchdog's read is granted), no other key."""
+    listed = _as(agent, token, "GET", "session/list")
+    assert listed.ok and (other in {s["ID"] for s in listed.json()}) == can_list, listed.text
+    assert _as(agent, token, "PUT", f"session/destroy/{other}").status_code == 403
+    assert _as(agent, token, "PUT", "session/create", {"Name": "squat", "Node": "vault1",
+                                                       "NodeChecks": []}).status_code == 403
+    assert _as(agent, token, "PUT", "kv/vault/ha/lock?release=" + other, {}).status_code == 403
+    assert _as(agent, token, "GET", "agent/self").ok  # its own agent; no other agent runs here to compare
+
+
+def test_each_role_works_with_exactly_its_token_and_the_node_s_touches_nothing_elsewhere(
+        acl_agent: tuple[Agent, str], tmp_path: Path) -> None:
+    """A node's token (from `acl-policy --node NAME`) runs, skips and reaps, and with health checks runs the
+    watchdog; it cannot list, destroy or make sessions elsewhere. The operator's token (`--operator`) does the
+    rest. Before, the one printed policy (`session_prefix ""` write) let a node's token destroy the other
+    application's session and make sessions on any node."""
+    agent, management = acl_agent
+    _real_node(agent, management)
+    other = _elsewhere(agent, management)
+    manifest = _manifest(tmp_path)
+    plain = tmp_path / "plain.yaml"
+    plain.write_text(f'jobs:\n  acljob: {{command: "true", schedule: "{SCHEDULE}"}}\n')
+    base = {"CONSUL_HTTP_ADDR": agent.http_addr}
+    node_plain = {**base, "CONSUL_HTTP_TOKEN_FILE": str(_token(agent, management, tmp_path, "node-plain",
+                                                               _printed(str(plain), "--node", agent.name)))}
+    node = {**base, "CONSUL_HTTP_TOKEN_FILE": str(_token(agent, management, tmp_path, "node",
+                                                         _printed(str(manifest), "--node", agent.name)))}
+    operator = {**base, "CONSUL_HTTP_TOKEN_FILE": str(_token(agent, management, tmp_path, "operator",
+                                                             _printed(str(manifest), "--operator")))}
+    for env, can_list in ((node_plain, False), (node, True)):
+        _cannot_touch_elsewhere(agent, Path(env["CONSUL_HTTP_TOKEN_FILE"]).read_text().strip(), other, can_list)
+    # A node's token made for another node cannot run here.
+    elsewhere = {**base, "CONSUL_HTTP_TOKEN_FILE": str(_token(agent, management, tmp_path, "node-vault1",
+                                                              _printed(str(plain), "--node", "vault1")))}
+    code, _, err = finish(consulrun("run", "acljob", "--", "true", env=elsewhere))
+    assert code == 77 and "Consul ACL denied it" in err, err
+
+    plain_holder = _node_commands(node_plain, tmp_path, None, job="plainjob")
+    plain_holder.terminate()  # type: ignore[attr-defined]
+    assert finish(plain_holder)[0] == 143  # type: ignore[arg-type]
+    holder = _node_commands(node, tmp_path, manifest)
+    _operator_commands(operator, tmp_path, manifest, holder, node)
+    assert _as(agent, management, "GET", f"session/info/{other}").json()[0]["Name"] == "vault-ha-lock"
+    assert _as(agent, management, "GET", "kv/vault/ha/lock").json()[0]["Session"] == other

@@ -47,6 +47,7 @@ def _token_file(tmp_path: Path, name: str, secret: str) -> Path:
 def _policy(prefix: str, service_read: bool, health_node: str | None = None) -> str:
     """The whole least-privilege policy, written out by hand: any rule added or widened fails the comparison."""
     return (f'# consulrun: what nodes need to run, take over and report jobs under "{prefix}"\n'
+            '# (one token for every command on every node; least privilege per role: --node NAME, --operator)\n'
             f'key_prefix "{prefix}" {{\n  policy = "write"\n}}\n'
             'session_prefix "" {\n  policy = "write"\n}\n'
             'agent_prefix "" {\n  policy = "read"\n}\n'
