@@ -276,6 +276,11 @@ def test_each_role_works_with_exactly_its_token_and_the_node_s_touches_nothing_e
                                                              _printed(str(manifest), "--operator")))}
     for env, can_list in ((node_plain, False), (node, True)):
         _cannot_touch_elsewhere(agent, Path(env["CONSUL_HTTP_TOKEN_FILE"]).read_text().strip(), other, can_list)
+    # What the reviewer found, still true of the one-token policy (why nodes get --node): it destroys a session
+    # on another node, here a throwaway one.
+    everything = _token(agent, management, tmp_path, "all", _printed(str(manifest))).read_text().strip()
+    throwaway = _as(agent, management, "PUT", "session/create", {"Node": "vault1", "NodeChecks": []}).json()["ID"]
+    assert _as(agent, everything, "PUT", f"session/destroy/{throwaway}").ok
     # A node's token made for another node cannot run here.
     elsewhere = {**base, "CONSUL_HTTP_TOKEN_FILE": str(_token(agent, management, tmp_path, "node-vault1",
                                                               _printed(str(plain), "--node", "vault1")))}
