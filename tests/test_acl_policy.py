@@ -1,4 +1,4 @@
-"""The policies `consulrun acl-policy` prints, each used exactly as printed, on a real agent with ACLs on (default deny).
+"""The policies `consulrun acl-policy` prints, each used exactly as printed, on a real agent with ACLs (default deny).
 
 The agent's node is set up as a real node is: a service with a check, and another application's session holding a
 lock of its own, so a policy that works only on a bare dev agent fails here.

@@ -428,7 +428,8 @@ def test_the_token_file_wins_over_consul_http_token_as_in_the_consul_cli(acl_age
     """api.go: "If the TokenFile is set, always use that, even if a Token is configured" (an empty file leaves
     the token). Before, CONSUL_HTTP_TOKEN won over CONSUL_HTTP_TOKEN_FILE."""
     agent, management = acl_agent
-    _acl(agent, management, "PUT", "acl/policy", {"Name": "consulrun", "Rules": CliRunner().invoke(main, ["acl-policy"]).stdout})
+    rules = CliRunner().invoke(main, ["acl-policy"]).stdout
+    _acl(agent, management, "PUT", "acl/policy", {"Name": "consulrun", "Rules": rules})
     good = _acl(agent, management, "PUT", "acl/token", {"Policies": [{"Name": "consulrun"}]})["SecretID"]
     weak = _acl(agent, management, "PUT", "acl/token", {"Description": "no rights"})["SecretID"]
     env = {"CONSUL_HTTP_ADDR": agent.http_addr}

@@ -267,7 +267,7 @@ def _tls_context(config: ConsulConfig) -> ssl.SSLContext:
     certificate under CONSUL_CAPATH, else the system's CAs: go-rootcerts' order, which the consul CLI uses."""
     import ssl
 
-    if bool(config.client_cert) != bool(config.client_key):  # api.go: "both client cert and client key must be provided"
+    if bool(config.client_cert) != bool(config.client_key):  # api.go: "both client cert and client key must be ..."
         raise UsageError("Consul TLS: give both a client certificate and its key (CONSUL_CLIENT_CERT and "
                          "CONSUL_CLIENT_KEY), or neither")
     try:

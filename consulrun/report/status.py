@@ -115,7 +115,8 @@ class HolderJudge:
     def __init__(self, client: Client) -> None:
         self.client = client
         self._node: str | None | bool = False  # False: not asked yet
-        self._checks: dict[str, tuple[list[dict[str, Any]], bool]] = {}  # one health read per node, however many holders
+        # One health read per node, however many holders: (the checks the token sees, whether ACLs hid some).
+        self._checks: dict[str, tuple[list[dict[str, Any]], bool]] = {}
 
     def node_checks(self, node: str) -> tuple[list[dict[str, Any]], bool]:
         if node not in self._checks:
