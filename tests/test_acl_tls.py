@@ -221,6 +221,10 @@ def test_run_and_status_over_https_with_client_certificates(tls_agent, consul_bi
     assert code == 0, err
     code, _, err = finish(consulrun("run", "tlsjob", "--", "true", env={**env, "CONSUL_TLS_SERVER_NAME": "wrong.example"}))
     assert code == 69 and "TLS failure" in err
+    # A port on the name is dropped, as api.go's SetupTLSConfig drops it (before: "Hostname mismatch").
+    code, _, err = finish(consulrun("run", "tlsjob", "--", "true",
+                                    env={**env, "CONSUL_TLS_SERVER_NAME": f"server.dc1.consul:{port}"}))
+    assert code == 0, err
 
 
 def test_wrong_ca_fails_closed(tls_agent, consul_bin: str, tmp_path: Path) -> None:

@@ -286,6 +286,16 @@ def _tls_context(config: ConsulConfig) -> ssl.SSLContext:
     return context
 
 
+def _server_name(config: ConsulConfig) -> str | None:
+    """CONSUL_TLS_SERVER_NAME without a port if it has one (`server.dc1.consul:8501`), as api.go's
+    SetupTLSConfig strips it; an IPv6 literal loses its brackets with the port, as net.SplitHostPort has it."""
+    name = config.tls_server_name
+    if name and name.rfind(":") > name.rfind("]"):
+        name = name[:name.rfind(":")]
+        name = name[1:-1] if name.startswith("[") and name.endswith("]") else name
+    return name or None
+
+
 def _ca_path_pem(path: str) -> str:
     """Every file under CONSUL_CAPATH, walked as go-rootcerts walks it (sub-folders too, no hashed names needed,
     as OpenSSL's own capath would); each must hold a PEM certificate, or it is refused naming the file."""
@@ -370,7 +380,7 @@ class Client:
             sock = transport.connect_tcp(self._host, self._port, timeout)
             try:
                 if self._context is not None:
-                    sock = self._context.wrap_socket(sock, server_hostname=self._config.tls_server_name or self._host)
+                    sock = self._context.wrap_socket(sock, server_hostname=_server_name(self._config) or self._host)
             except BaseException:
                 sock.close()
                 raise
