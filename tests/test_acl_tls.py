@@ -112,9 +112,13 @@ def test_health_check_rights_come_from_the_policy_and_their_lack_costs_no_result
     assert next(c for c in found if c["Name"] == "acljob")["Output"].startswith("occurrence 2026-01-01T00:00:00Z ran on")
 
 
-def test_acl_policy_token_runs_skips_takes_over_and_reports(acl_agent: tuple[Agent, str], tmp_path: Path) -> None:
+@pytest.mark.parametrize("role", [[], ["--node", "acl1"]], ids=["one-token", "node"])
+def test_acl_policy_token_runs_skips_takes_over_and_reports(acl_agent: tuple[Agent, str], tmp_path: Path,
+                                                            role: list[str]) -> None:
+    """The node's own policy too: a standby's takeover needs nothing beyond its own node's sessions (and status
+    reads this node's holder with them; holders elsewhere need the operator's policy)."""
     agent, management = acl_agent
-    rules = CliRunner().invoke(main, ["acl-policy"]).stdout
+    rules = CliRunner().invoke(main, ["acl-policy", *role]).stdout
     _acl(agent, management, "PUT", "acl/policy", {"Name": "consulrun", "Rules": rules})
     secret = _acl(agent, management, "PUT", "acl/token", {"Policies": [{"Name": "consulrun"}]})["SecretID"]
     token_file = _token_file(tmp_path, "token", secret)
