@@ -271,9 +271,9 @@ def _tls_context(config: ConsulConfig) -> ssl.SSLContext:
         raise UsageError("Consul TLS: give both a client certificate and its key (CONSUL_CLIENT_CERT and "
                          "CONSUL_CLIENT_KEY), or neither")
     try:
-        context = ssl.create_default_context(cafile=config.ca_file if config.ssl_verify else None)
-        if config.ssl_verify and not config.ca_file and config.ca_path:
-            context = ssl.create_default_context(cadata=_ca_path_pem(config.ca_path))
+        from_path = config.ssl_verify and not config.ca_file and config.ca_path
+        context = ssl.create_default_context(cafile=config.ca_file if config.ssl_verify else None,
+                                             cadata=_ca_path_pem(config.ca_path) if from_path else None)
         if not config.ssl_verify:
             context.check_hostname = False
             context.verify_mode = ssl.CERT_NONE
@@ -297,8 +297,8 @@ def _server_name(config: ConsulConfig) -> str | None:
 
 
 def _ca_path_pem(path: str) -> str:
-    """Every file under CONSUL_CAPATH, walked as go-rootcerts walks it (sub-folders too, no hashed names needed,
-    as OpenSSL's own capath would); each must hold a PEM certificate, or it is refused naming the file."""
+    """Every file under CONSUL_CAPATH, walked as go-rootcerts walks it: sub-folders too, and any file name (OpenSSL's
+    own capath reads only c_rehash's hashed names). Each must hold a PEM certificate, or it is refused by name."""
     if not os.path.isdir(path):
         raise UsageError(f"Consul CA path {path}: not a directory")
     texts = []
