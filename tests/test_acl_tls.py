@@ -47,6 +47,7 @@ def _token_file(tmp_path: Path, name: str, secret: str) -> Path:
 def _policy(prefix: str, service_read: bool, health_node: str | None = None) -> str:
     """The whole least-privilege policy, written out by hand: any rule added or widened fails the comparison."""
     return (f'# consulrun: what nodes need to run, take over and report jobs under "{prefix}"\n'
+            '# (one token for every command on every node; least privilege per role: --node NAME, --operator)\n'
             f'key_prefix "{prefix}" {{\n  policy = "write"\n}}\n'
             'session_prefix "" {\n  policy = "write"\n}\n'
             'agent_prefix "" {\n  policy = "read"\n}\n'
@@ -111,9 +112,13 @@ def test_health_check_rights_come_from_the_policy_and_their_lack_costs_no_result
     assert next(c for c in found if c["Name"] == "acljob")["Output"].startswith("occurrence 2026-01-01T00:00:00Z ran on")
 
 
-def test_acl_policy_token_runs_skips_takes_over_and_reports(acl_agent: tuple[Agent, str], tmp_path: Path) -> None:
+@pytest.mark.parametrize("role", [[], ["--node", "acl1"]], ids=["one-token", "node"])
+def test_acl_policy_token_runs_skips_takes_over_and_reports(acl_agent: tuple[Agent, str], tmp_path: Path,
+                                                            role: list[str]) -> None:
+    """The node's own policy too: a standby's takeover needs nothing beyond its own node's sessions (and status
+    reads this node's holder with them; holders elsewhere need the operator's policy)."""
     agent, management = acl_agent
-    rules = CliRunner().invoke(main, ["acl-policy"]).stdout
+    rules = CliRunner().invoke(main, ["acl-policy", *role]).stdout
     _acl(agent, management, "PUT", "acl/policy", {"Name": "consulrun", "Rules": rules})
     secret = _acl(agent, management, "PUT", "acl/token", {"Policies": [{"Name": "consulrun"}]})["SecretID"]
     token_file = _token_file(tmp_path, "token", secret)
@@ -220,6 +225,10 @@ def test_run_and_status_over_https_with_client_certificates(tls_agent, consul_bi
     assert code == 0, err
     code, _, err = finish(consulrun("run", "tlsjob", "--", "true", env={**env, "CONSUL_TLS_SERVER_NAME": "wrong.example"}))
     assert code == 69 and "TLS failure" in err
+    # A port on the name is dropped, as api.go's SetupTLSConfig drops it (before: "Hostname mismatch").
+    code, _, err = finish(consulrun("run", "tlsjob", "--", "true",
+                                    env={**env, "CONSUL_TLS_SERVER_NAME": f"server.dc1.consul:{port}"}))
+    assert code == 0, err
 
 
 def test_wrong_ca_fails_closed(tls_agent, consul_bin: str, tmp_path: Path) -> None:
@@ -300,3 +309,147 @@ def test_a_token_that_cannot_read_every_node_does_not_take_turns_and_says_so(acl
         assert ("cannot see every member of the cluster (its ACL token needs node:read on every node)" in err) \
             == (name == "blind"), err
         assert blocks.hits == [], blocks.hits  # no turn: no blocking read of the record
+
+
+# --- The consul CLI's rules for connection settings (api/api.go), against a raw listener and the TLS agent -----
+
+
+class RawListener:
+    """A loopback TCP listener that records the bytes each connection sends, and answers nothing: what a client
+    would hand an address, seen before any protocol could hide it."""
+
+    def __init__(self) -> None:
+        import socket
+        import threading
+
+        self._sock = socket.socket()
+        self._sock.bind(("127.0.0.1", 0))
+        self._sock.listen(8)
+        self._sock.settimeout(0.2)
+        self.port = self._sock.getsockname()[1]
+        self.received: list[bytes] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        import socket
+
+        while not self._stop.is_set():
+            try:
+                conn, _ = self._sock.accept()
+            except (TimeoutError, socket.timeout):
+                continue
+            with conn:
+                conn.settimeout(2)
+                data = b""
+                try:
+                    while len(data) < 65536 and (chunk := conn.recv(65536)):
+                        data += chunk
+                except OSError:
+                    pass
+                self.received.append(data)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(10)
+        self._sock.close()
+
+    def __enter__(self) -> "RawListener":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+SECRET = "s3cr3t-token-value"
+
+
+def test_consul_http_ssl_with_an_http_address_sends_tls_never_the_token_in_cleartext(tls_agent,
+                                                                                      tmp_path: Path) -> None:
+    """api.go: "Never revert to http if TLS was explicitly requested". Before, consulrun sent
+    `X-Consul-Token: s3cr3t-token-value` in cleartext to http://... although CONSUL_HTTP_SSL=true."""
+    with RawListener() as raw:
+        code, out, err = finish(consulrun("status", env={
+            "CONSUL_HTTP_ADDR": f"http://127.0.0.1:{raw.port}", "CONSUL_HTTP_SSL": "true",
+            "CONSUL_HTTP_TOKEN": SECRET}))
+        wait_for(lambda: raw.received, 10, "the client's first bytes")
+    assert code == 69 and "TLS failure talking to Consul" in err and out == "", (code, out, err)
+    assert all(SECRET.encode() not in data for data in raw.received), raw.received
+    assert raw.received[0][:2] == b"\x16\x03", raw.received[0][:80]  # a TLS handshake record: the ClientHello
+    # The real agent's HTTPS port under an http:// address: TLS, and the run works.
+    agent, port, files = tls_agent
+    code, _, err = finish(consulrun("run", "sslhttp", "--", "true", env={
+        "CONSUL_HTTP_ADDR": f"http://127.0.0.1:{port}", "CONSUL_HTTP_SSL": "1", "CONSUL_CACERT": str(files["ca"]),
+        "CONSUL_CLIENT_CERT": str(files["client"]), "CONSUL_CLIENT_KEY": str(files["client_key"])}))
+    assert code == 0 and "acquired consulrun/sslhttp/lock" in err, err
+
+
+def test_consul_capath_is_honoured_after_consul_cacert(tls_agent, consul_bin: str, tmp_path: Path) -> None:
+    """CONSUL_CAPATH: every file of a folder (sub-folders too) as CA certificates; CONSUL_CACERT wins over it;
+    a file that holds no certificate is refused naming it. Before, CONSUL_CAPATH was ignored."""
+    agent, port, files = tls_agent
+    other = _tls_material(consul_bin, tmp_path / "other-ca")
+    env = {"CONSUL_HTTP_ADDR": f"https://127.0.0.1:{port}", "CONSUL_CLIENT_CERT": str(files["client"]),
+           "CONSUL_CLIENT_KEY": str(files["client_key"])}
+    good, wrong, junk = tmp_path / "good", tmp_path / "wrong", tmp_path / "junk"
+    (good / "nested").mkdir(parents=True)
+    (good / "nested" / "ca.pem").write_bytes(files["ca"].read_bytes())  # not a hashed name: no c_rehash needed
+    (good / "other.pem").write_bytes(other["ca"].read_bytes())
+    wrong.mkdir()
+    (wrong / "ca.pem").write_bytes(other["ca"].read_bytes())
+    junk.mkdir()
+    (junk / "ca.pem").write_bytes(files["ca"].read_bytes())
+    (junk / "README").write_text("not a certificate\n")
+    code, _, err = finish(consulrun("run", "capath", "--", "true", env={**env, "CONSUL_CAPATH": str(good)}))
+    assert code == 0 and "acquired consulrun/capath/lock" in err, err
+    code, _, err = finish(consulrun("run", "capath", "--", "true", env={**env, "CONSUL_CAPATH": str(wrong)}))
+    assert code == 69 and "CERTIFICATE_VERIFY_FAILED" in err, err
+    code, _, err = finish(consulrun("run", "capath", "--", "true", env={**env, "CONSUL_CAPATH": str(wrong),
+                                                                         "CONSUL_CACERT": str(files["ca"])}))
+    assert code == 0, err  # CONSUL_CACERT first, as go-rootcerts has it
+    code, _, err = finish(consulrun("run", "capath", "--", "true", env={**env, "CONSUL_CAPATH": str(junk)}))
+    assert code == 2 and err.count("\n") == 1 and f"{junk / 'README'} holds no PEM certificate" in err, err
+    code, _, err = finish(consulrun("status", "--ca-path", str(good), env=env))
+    assert code in (0, 6), err  # the option says the same as the variable (6: nothing under the prefix yet)
+
+
+def test_tls_settings_the_consul_cli_refuses_or_would_guess_are_refused_before_any_connection(tmp_path: Path) -> None:
+    """A boolean Go's ParseBool does not take (the consul CLI then warns and, for CONSUL_HTTP_SSL_VERIFY, skips
+    verification), and a client certificate without its key (api.go refuses it): exit 2, nothing sent."""
+    cert = tmp_path / "cert.pem"
+    cert.write_text("unused\n")
+    with RawListener() as raw:
+        base = {"CONSUL_HTTP_ADDR": f"127.0.0.1:{raw.port}", "CONSUL_HTTP_TOKEN": SECRET}
+        for extra, message in (({"CONSUL_HTTP_SSL": "yes"}, "CONSUL_HTTP_SSL='yes' is not a boolean"),
+                               ({"CONSUL_HTTP_SSL": "1", "CONSUL_HTTP_SSL_VERIFY": "no"},
+                                "CONSUL_HTTP_SSL_VERIFY='no' is not a boolean"),
+                               ({"CONSUL_HTTP_SSL": "1", "CONSUL_CLIENT_CERT": str(cert)},
+                                "give both a client certificate and its key")):
+            code, out, err = finish(consulrun("run", "refused", "--", "true", env={**base, **extra}))
+            assert code == 2 and err.count("\n") == 1 and message in err and SECRET not in err, (extra, err)
+    assert raw.received == []
+
+
+def test_the_token_file_wins_over_consul_http_token_as_in_the_consul_cli(acl_agent: tuple[Agent, str],
+                                                                          tmp_path: Path) -> None:
+    """api.go: "If the TokenFile is set, always use that, even if a Token is configured" (an empty file leaves
+    the token). Before, CONSUL_HTTP_TOKEN won over CONSUL_HTTP_TOKEN_FILE."""
+    agent, management = acl_agent
+    rules = CliRunner().invoke(main, ["acl-policy"]).stdout
+    _acl(agent, management, "PUT", "acl/policy", {"Name": "consulrun", "Rules": rules})
+    good = _acl(agent, management, "PUT", "acl/token", {"Policies": [{"Name": "consulrun"}]})["SecretID"]
+    weak = _acl(agent, management, "PUT", "acl/token", {"Description": "no rights"})["SecretID"]
+    env = {"CONSUL_HTTP_ADDR": agent.http_addr}
+    code, _, err = finish(consulrun("run", "tokenfile", "--", "true", env={
+        **env, "CONSUL_HTTP_TOKEN": weak, "CONSUL_HTTP_TOKEN_FILE": str(_token_file(tmp_path, "good", good))}))
+    assert code == 0 and "acquired consulrun/tokenfile/lock" in err, err
+    empty = tmp_path / "empty"
+    empty.write_text("\n")
+    empty.chmod(0o600)
+    code, _, err = finish(consulrun("run", "tokenfile", "--", "true", env={
+        **env, "CONSUL_HTTP_TOKEN": good, "CONSUL_HTTP_TOKEN_FILE": str(empty)}))
+    assert code == 0, err
+    code, _, err = finish(consulrun("run", "tokenfile", "--", "true", env={
+        **env, "CONSUL_HTTP_TOKEN": good, "CONSUL_HTTP_TOKEN_FILE": str(_token_file(tmp_path, "weak", weak))}))
+    assert code == 77 and "Consul ACL denied it" in err, err

@@ -158,9 +158,9 @@ def test_status_uses_the_manifest_consul_settings(consul: Agent, tmp_path: Path,
     code, _, _ = cli("status", str(bad), "--http-addr", consul.http_addr)  # so does an option
     assert code == 0
     missing = write_manifest(tmp_path, jobs, f"consul: {{address: '{consul.http_addr}', token_file: /nonexistent/t}}\n")
-    code, _, err = cli("status", str(missing))
+    code, _, err = cli("status", str(missing), "--trust-manifest-consul")  # a token to the manifest's address
     assert code == 2 and "Consul token file /nonexistent/t: no such file" in err
-    code, out, _ = cli("status", str(missing), "--json")
+    code, out, _ = cli("status", str(missing), "--json", "--trust-manifest-consul")
     assert code == 2 and json.loads(out)["verdict"] == "usage_error" and json.loads(out)["jobs"] is None
 
 
@@ -200,9 +200,9 @@ def test_acl_hidden_state_is_never_green(acl_agent: tuple[Agent, str], tmp_path:
     full = token(rules)
     manifest = write_manifest(tmp_path, '  heldjob: {command: "true", schedule: "daily"}\n',
                               f"consul: {{address: '{agent.http_addr}', token_file: {full}}}\n")
-    code, out, err = cli("status", str(manifest), env={})
+    code, out, err = cli("status", str(manifest), "--trust-manifest-consul", env={})
     assert code == 0 and "heldjob" in out and "held" in out, err
-    code, _, err = cli("unlock", str(manifest), "heldjob", "--yes", env={})
+    code, _, err = cli("unlock", str(manifest), "heldjob", "--yes", "--trust-manifest-consul", env={})
     assert code == 1 and "healthy" in err
 
 

@@ -87,8 +87,11 @@ CONSUL_OPTIONS = [
                  help="Address of the local Consul agent: [http[s]://]HOST[:PORT], an IPv6 HOST in brackets "
                       "[default: 127.0.0.1:8500]."),
     click.option("--token-file", envvar="CONSUL_HTTP_TOKEN_FILE", show_envvar=True, metavar="FILE",
-                 help="File holding the ACL token (CONSUL_HTTP_TOKEN is read too; no option puts a token on the command line)."),
+                 help="File holding the ACL token; a token in it wins over CONSUL_HTTP_TOKEN, as in the consul CLI "
+                      "(no option puts a token on the command line)."),
     click.option("--ca-file", envvar="CONSUL_CACERT", show_envvar=True, metavar="FILE", help="CA certificate for HTTPS."),
+    click.option("--ca-path", envvar="CONSUL_CAPATH", show_envvar=True, metavar="DIR",
+                 help="Folder of CA certificates for HTTPS (every file in it, sub-folders too; --ca-file wins)."),
     click.option("--client-cert", envvar="CONSUL_CLIENT_CERT", show_envvar=True, metavar="FILE",
                  help="Client certificate for HTTPS."),
     click.option("--client-key", envvar="CONSUL_CLIENT_KEY", show_envvar=True, metavar="FILE",
@@ -98,10 +101,22 @@ CONSUL_OPTIONS = [
 ]
 
 
-def consul_options(func: Callable[..., Any]) -> Callable[..., Any]:
+TRUST_MANIFEST_CONSUL = click.option(
+    "--trust-manifest-consul", is_flag=True,
+    help="Send the ACL token to the address the manifest's consul: section names (refused otherwise: a manifest "
+         "does not choose where a local secret goes).")
+
+
+def agent_options(func: Callable[..., Any]) -> Callable[..., Any]:
+    """The connection options of a command that reads no manifest (run, reap)."""
     for option in reversed(CONSUL_OPTIONS):
         func = option(func)
     return func
+
+
+def consul_options(func: Callable[..., Any]) -> Callable[..., Any]:
+    """The connection options of a command that may read a manifest, with its `consul:` settings."""
+    return agent_options(TRUST_MANIFEST_CONSUL(func))
 
 
 def consul_config(kwargs: dict[str, Any], manifest_consul: "ConsulSettings | None" = None) -> "ConsulConfig":

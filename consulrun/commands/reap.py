@@ -5,7 +5,7 @@ from __future__ import annotations
 import click
 
 from consulrun.commands.common import job_problem
-from consulrun.commands.options import KvPrefix, consul_config, consul_options
+from consulrun.commands.options import KvPrefix, agent_options, consul_config
 from consulrun.commands.runargs import setup_logging as _setup_logging
 from consulrun.errors import UsageError
 
@@ -15,7 +15,7 @@ from consulrun.errors import UsageError
               help="KV prefix; the job's keys are <prefix>/<JOB>/.")
 @click.option("--concurrency", type=click.IntRange(1, 1000), default=1, show_default=True,
               help="The job's concurrency (which lock keys to look at).")
-@consul_options
+@agent_options
 @click.argument("job")
 def reap(job: str, prefix: str, concurrency: int, **consul: str | None) -> None:
     """Free JOB's lock if its holder is a wrapper on this node that is dead.

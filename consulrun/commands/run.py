@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import click
 
-from consulrun.commands.options import Duration, KvPrefix, consul_options
+from consulrun.commands.options import Duration, KvPrefix, agent_options
 from consulrun.commands.runargs import start
 from consulrun.manifest.durations import LOCK_DELAY_RANGE_MS, TTL_RANGE_MS, range_text
 
@@ -39,7 +39,7 @@ from consulrun.manifest.durations import LOCK_DELAY_RANGE_MS, TTL_RANGE_MS, rang
 @click.option("--health-check", is_flag=True,
               help="Also set the job's Consul health check (on the prefix's external node) from the result, "
                    "in the same transaction; if Consul refuses the check, the result is recorded without it.")
-@consul_options
+@agent_options
 @click.argument("job")
 @click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
 def run(job: str, command: tuple[str, ...], prefix: str, ttl: int, lock_delay: int, checks: tuple[str, ...],

@@ -93,6 +93,7 @@ OPTIONS: dict[str, tuple[str, Callable[[str], Any] | None, Any, bool, str | None
     "--http-addr": ("http_addr", _text, None, False, "CONSUL_HTTP_ADDR"),
     "--token-file": ("token_file", _text, None, False, "CONSUL_HTTP_TOKEN_FILE"),
     "--ca-file": ("ca_file", _text, None, False, "CONSUL_CACERT"),
+    "--ca-path": ("ca_path", _text, None, False, "CONSUL_CAPATH"),
     "--client-cert": ("client_cert", _text, None, False, "CONSUL_CLIENT_CERT"),
     "--client-key": ("client_key", _text, None, False, "CONSUL_CLIENT_KEY"),
     "--tls-server-name": ("tls_server_name", _text, None, False, "CONSUL_TLS_SERVER_NAME"),

@@ -36,7 +36,9 @@ class Endpoint:
 
 
 def parse_address(text: str, ssl: bool | None = None) -> Endpoint:
-    """Read `text`; `ssl` (CONSUL_HTTP_SSL) picks https when the address names no scheme."""
+    """Read `text`; `ssl` (CONSUL_HTTP_SSL) true makes the scheme https, also over an explicit http:// (api.go:
+    "Never revert to http if TLS was explicitly requested"), so a token never leaves in cleartext once TLS was
+    asked for; an explicit https:// is https whatever `ssl` says."""
     value = text.strip()
     if value.startswith("unix://"):
         path = value[len("unix://"):]
@@ -48,7 +50,7 @@ def parse_address(text: str, ssl: bool | None = None) -> Endpoint:
         scheme, rest = "", value
     elif scheme not in DEFAULT_PORTS:
         raise AddressError(f"{text!r}: scheme must be http, https or unix, not {scheme!r}")
-    scheme = scheme or ("https" if ssl else "http")
+    scheme = "https" if ssl else (scheme or "http")
     if rest.count(":") > 1 and not rest.startswith("["):
         raise AddressError(f"{text!r}: put an IPv6 address in brackets, e.g. [::1]:8500")
     match = _HOST_PORT.fullmatch(rest)

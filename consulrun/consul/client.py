@@ -49,10 +49,24 @@ class _ChecksRefused(Exception):
         self.why = why
 
 
-def _truthy(value: str | None) -> bool | None:
+_GO_BOOLS = {"1": True, "t": True, "T": True, "TRUE": True, "true": True, "True": True,
+             "0": False, "f": False, "F": False, "FALSE": False, "false": False, "False": False}
+
+
+def _go_bool(env: dict[str, str], name: str) -> bool | None:
+    """A boolean variable as the consul CLI reads it (Go's strconv.ParseBool); None if unset or empty.
+
+    Where the CLI only warns about another value and goes on (for
+    CONSUL_HTTP_SSL_VERIFY=yes it then skips verifying the agent's
+    certificate), this refuses it: a setting about TLS is never guessed.
+    """
+    value = env.get(name)
     if value is None or value == "":
         return None
-    return value.strip().lower() in ("1", "true", "yes", "on")
+    if value not in _GO_BOOLS:
+        raise UsageError(f"{name}={value[:40]!r} is not a boolean as the consul CLI reads one "
+                         "(1, t, true, TRUE, True or 0, f, false, FALSE, False)")
+    return _GO_BOOLS[value]
 
 
 @record
@@ -65,21 +79,24 @@ class ConsulConfig:
     ssl: bool | None = None
     ssl_verify: bool = True
     ca_file: str | None = None
+    ca_path: str | None = None
     client_cert: str | None = None
     client_key: str | None = None
     tls_server_name: str | None = None
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None, **overrides: Any) -> "ConsulConfig":
-        """Read CONSUL_HTTP_* / CONSUL_CACERT / CONSUL_CLIENT_* like the consul CLI; `overrides` win when not None."""
+        """Read CONSUL_HTTP_* / CONSUL_CACERT / CONSUL_CAPATH / CONSUL_CLIENT_* like the consul CLI (api/api.go's
+        defaultConfig); `overrides` win when not None."""
         env = dict(os.environ if env is None else env)
         values: dict[str, Any] = {
             "address": env.get("CONSUL_HTTP_ADDR") or "127.0.0.1:8500",
             "token": env.get("CONSUL_HTTP_TOKEN") or None,
             "token_file": env.get("CONSUL_HTTP_TOKEN_FILE") or None,
-            "ssl": _truthy(env.get("CONSUL_HTTP_SSL")),
-            "ssl_verify": _truthy(env.get("CONSUL_HTTP_SSL_VERIFY")) is not False,
+            "ssl": _go_bool(env, "CONSUL_HTTP_SSL"),
+            "ssl_verify": _go_bool(env, "CONSUL_HTTP_SSL_VERIFY") is not False,
             "ca_file": env.get("CONSUL_CACERT") or None,
+            "ca_path": env.get("CONSUL_CAPATH") or None,
             "client_cert": env.get("CONSUL_CLIENT_CERT") or None,
             "client_key": env.get("CONSUL_CLIENT_KEY") or None,
             "tls_server_name": env.get("CONSUL_TLS_SERVER_NAME") or None,
@@ -88,7 +105,8 @@ class ConsulConfig:
         return cls(**values)
 
     def endpoint(self, allow_unix: bool = False) -> tuple[str, str, int]:
-        """(scheme, host, port), an IPv6 host in brackets; CONSUL_HTTP_SSL decides the scheme when the address has none.
+        """(scheme, host, port), an IPv6 host in brackets; with CONSUL_HTTP_SSL true the scheme is https even where
+        the address says http:// (as the consul CLI: never plain HTTP once TLS was asked for).
 
         A unix socket address gives ("http", "localhost", 80) only to a caller
         that says it sends its requests to `socket_path` itself (the Client does).
@@ -117,27 +135,34 @@ class ConsulConfig:
             return None
 
     def resolved_token(self, label: str | None = None) -> str | None:
-        """The ACL token to send: given (--token, CONSUL_HTTP_TOKEN) or read from the token file; None if neither.
+        """The ACL token to send: the token file's (--token-file, CONSUL_HTTP_TOKEN_FILE) if it holds one, else
+        CONSUL_HTTP_TOKEN; None if neither. The file wins, as in the consul CLI (api.go: "If the TokenFile is set,
+        always use that, even if a Token is configured").
 
         A token that cannot travel in an HTTP header (a line break, a control
         or non-ASCII character) is refused without being shown: it is a secret
         and error lines end up in the journal.
         """
+        from_file = _token_from_file(self.token_file, label) if self.token_file else None
+        if from_file:
+            return from_file
         if self.token:
             return _sendable(self.token, "the Consul token (--token or CONSUL_HTTP_TOKEN)")
-        if self.token_file:
-            try:
-                with open(self.token_file, encoding="utf-8") as handle:
-                    if os.fstat(handle.fileno()).st_mode & 0o077:
-                        logging.getLogger("consulrun").warning(
-                            "%sConsul token file %s is readable by others; make it mode 0600",
-                            f"{label}: " if label else "", self.token_file)
-                    token = handle.read().strip() or None
-            except (OSError, UnicodeDecodeError) as exc:
-                reason = os_reason(exc) if isinstance(exc, OSError) else "not UTF-8 text"
-                raise UsageError(f"Consul token file {self.token_file}: {reason}") from None
-            return _sendable(token, f"Consul token file {self.token_file}") if token else None
         return None
+
+
+def _token_from_file(path: str, label: str | None) -> str | None:
+    try:
+        with open(path, encoding="utf-8") as handle:
+            if os.fstat(handle.fileno()).st_mode & 0o077:
+                logging.getLogger("consulrun").warning(
+                    "%sConsul token file %s is readable by others; make it mode 0600", f"{label}: " if label else "",
+                    path)
+            token = handle.read().strip() or None
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = os_reason(exc) if isinstance(exc, OSError) else "not UTF-8 text"
+        raise UsageError(f"Consul token file {path}: {reason}") from None
+    return _sendable(token, f"Consul token file {path}") if token else None
 
 
 def _sendable(token: str, where: str) -> str:
@@ -238,21 +263,64 @@ def _short(exc: BaseException) -> str:
 
 
 def _tls_context(config: ConsulConfig) -> ssl.SSLContext:
-    """The agent's certificate checked against CONSUL_CACERT (else the system's CAs), unless CONSUL_HTTP_SSL_VERIFY=false."""
+    """The agent's certificate checked, unless CONSUL_HTTP_SSL_VERIFY=false, against CONSUL_CACERT, else every
+    certificate under CONSUL_CAPATH, else the system's CAs: go-rootcerts' order, which the consul CLI uses."""
     import ssl
 
+    if bool(config.client_cert) != bool(config.client_key):  # api.go: "both client cert and client key must be ..."
+        raise UsageError("Consul TLS: give both a client certificate and its key (CONSUL_CLIENT_CERT and "
+                         "CONSUL_CLIENT_KEY), or neither")
     try:
-        context = ssl.create_default_context(cafile=config.ca_file if config.ssl_verify else None)
+        from_path = config.ssl_verify and not config.ca_file and config.ca_path
+        context = ssl.create_default_context(cafile=config.ca_file if config.ssl_verify else None,
+                                             cadata=_ca_path_pem(config.ca_path) if from_path else None)
         if not config.ssl_verify:
             context.check_hostname = False
             context.verify_mode = ssl.CERT_NONE
         if config.client_cert:
             context.load_cert_chain(config.client_cert, config.client_key)
     except (OSError, ssl.SSLError) as exc:
-        files = ", ".join(f for f in (config.ca_file, config.client_cert, config.client_key) if f)
+        files = ", ".join(f for f in (config.ca_file, config.ca_path, config.client_cert, config.client_key) if f)
         reason = _short(exc) if isinstance(exc, ssl.SSLError) else os_reason(exc)
         raise UsageError(f"Consul TLS files ({files}): {reason}") from None
     return context
+
+
+def _server_name(config: ConsulConfig) -> str | None:
+    """CONSUL_TLS_SERVER_NAME without a port if it has one (`server.dc1.consul:8501`), as api.go's
+    SetupTLSConfig strips it; an IPv6 literal loses its brackets with the port, as net.SplitHostPort has it."""
+    name = config.tls_server_name
+    if name and name.rfind(":") > name.rfind("]"):
+        name = name[:name.rfind(":")]
+        name = name[1:-1] if name.startswith("[") and name.endswith("]") else name
+    return name or None
+
+
+def _ca_path_pem(path: str) -> str:
+    """Every file under CONSUL_CAPATH, walked as go-rootcerts walks it: sub-folders too, and any file name (OpenSSL's
+    own capath reads only c_rehash's hashed names). Each must hold a PEM certificate, or it is refused by name."""
+    if not os.path.isdir(path):
+        raise UsageError(f"Consul CA path {path}: not a directory")
+    texts = []
+    for folder, subfolders, names in os.walk(path, onerror=_raise):
+        subfolders.sort()
+        for name in sorted(names):
+            where = os.path.join(folder, name)
+            try:
+                with open(where, encoding="ascii", errors="replace") as handle:
+                    text = handle.read()
+            except OSError as exc:
+                raise UsageError(f"Consul CA path {path}: {where}: {os_reason(exc)}") from None
+            if "-----BEGIN CERTIFICATE-----" not in text:
+                raise UsageError(f"Consul CA path {path}: {where} holds no PEM certificate")
+            texts.append(text)
+    if not texts:
+        raise UsageError(f"Consul CA path {path}: no certificate in it")
+    return "\n".join(texts)
+
+
+def _raise(exc: OSError) -> None:
+    raise UsageError(f"Consul CA path {exc.filename}: {os_reason(exc)}")
 
 
 Response = tuple[int, dict[str, str], str]  # headers with lower-case names
@@ -312,7 +380,7 @@ class Client:
             sock = transport.connect_tcp(self._host, self._port, timeout)
             try:
                 if self._context is not None:
-                    sock = self._context.wrap_socket(sock, server_hostname=self._config.tls_server_name or self._host)
+                    sock = self._context.wrap_socket(sock, server_hostname=_server_name(self._config) or self._host)
             except BaseException:
                 sock.close()
                 raise
@@ -512,6 +580,24 @@ class Client:
         _, found = self._visible(f"reading the health of node {node}", f"/v1/health/node/{node}", [])
         return found or []
 
+    def node_health(self, node: str) -> tuple[list[dict[str, Any]], bool]:
+        """The checks of `node` the token may read, and whether ACLs hid others.
+
+        Consul hides the checks of services the token may not read; a caller
+        that needs only some checks (those bound to a session) judges whether
+        what is hidden matters, with `hidden_checks_refused`.
+        """
+        what = f"reading the health of node {node}"
+        with self._translated(what):
+            code, headers, text = self._call("GET", f"/v1/health/node/{node}")
+            return (json.loads(text) if code != 404 else None) or [], _acl_filtered(headers)
+
+    def hidden_checks_refused(self, node: str, missing: list[str]) -> PermissionDenied:
+        """The error for checks a session is bound to that ACLs hid (they are never taken for gone)."""
+        return PermissionDenied(f"reading the health of node {node} via {self.address}: Consul ACL denied it: the "
+                                f"token cannot read the check(s) {', '.join(missing)} bound to a session there "
+                                f"({ACL_FILTERED_HEADER})")
+
 
 ACL_FILTERED_HEADER = "X-Consul-Results-Filtered-By-ACLs"
 
@@ -539,12 +625,29 @@ def consul_config(kwargs: dict[str, Any], manifest_consul: "ConsulSettings | Non
 
     A manifest's `consul:` settings come below both: a command pointed at a
     manifest reaches Consul as that manifest's units do, unless the operator's
-    environment or options say otherwise.
+    environment or options say otherwise. A token (the operator's, or the
+    file the manifest names) is never sent to an address only the manifest
+    chose unless the operator says so (`trust_manifest_consul`): whoever
+    wrote the manifest would otherwise choose where a local secret goes.
     """
-    env = {**manifest_consul_env(manifest_consul), **{k: v for k, v in os.environ.items() if v}}
+    trusted = bool(kwargs.pop("trust_manifest_consul", False))
+    operator = {k: v for k, v in os.environ.items() if v}
+    manifest = manifest_consul_env(manifest_consul)
+    if operator.get("CONSUL_HTTP_TOKEN") or kwargs.get("token_file"):
+        manifest.pop("CONSUL_HTTP_TOKEN_FILE", None)  # the operator's token, not the file the manifest names
+    env = {**manifest, **operator}
+    address_by_manifest = kwargs.get("http_addr") is None and "CONSUL_HTTP_ADDR" in manifest
     config = ConsulConfig.from_env(
         env, address=kwargs.pop("http_addr"), token_file=kwargs.pop("token_file"), ca_file=kwargs.pop("ca_file"),
+        ca_path=kwargs.pop("ca_path"),
         client_cert=kwargs.pop("client_cert"), client_key=kwargs.pop("client_key"),
         tls_server_name=kwargs.pop("tls_server_name"))
     config.endpoint(allow_unix=True)  # a bad address is a usage error now, before anything else happens
+    if address_by_manifest and not trusted and (config.token or config.token_file):
+        source = (f"the file {config.token_file}" + (" the manifest names" if config.token_file ==
+                                                     manifest.get("CONSUL_HTTP_TOKEN_FILE") else "")
+                  if config.token_file else "CONSUL_HTTP_TOKEN")
+        raise UsageError(f"the manifest's consul.address {config.address!r} would receive the ACL token from "
+                         f"{source}: a manifest does not choose where a local secret goes; give the address "
+                         "yourself (--http-addr or CONSUL_HTTP_ADDR) or pass --trust-manifest-consul")
     return config

@@ -86,7 +86,7 @@ def iso(when: datetime | None) -> str | None:
 
 
 def session_health(client: Client, session_id: str,
-                   node_checks: Callable[[str], list[dict[str, Any]]] | None = None) -> tuple[bool, str]:
+                   node_checks: Callable[[str], tuple[list[dict[str, Any]], bool]] | None = None) -> tuple[bool, str]:
     """(healthy, why), as Consul judges it: a session lives until it is destroyed or a bound check is critical.
 
     A check in `warning` does not invalidate a session, so it leaves the
@@ -96,7 +96,10 @@ def session_health(client: Client, session_id: str,
     if not info:
         return False, "session no longer exists"
     bound = set(info.get("NodeChecks") or []) | {c.get("ID") for c in info.get("ServiceChecks") or []}
-    checks = {c["CheckID"]: c["Status"] for c in (node_checks or client.node_checks)(info["Node"])}
+    found, hidden = (node_checks or client.node_health)(info["Node"])
+    checks = {c["CheckID"]: c["Status"] for c in found}
+    if hidden and bound - checks.keys():  # Consul hid checks of services the token may not read: only bound ones matter
+        raise client.hidden_checks_refused(info["Node"], sorted(bound - checks.keys()))
     critical = sorted(cid for cid in bound if checks.get(cid, "critical") == "critical")
     if critical:
         return False, f"check(s) critical or gone on {info['Node']}: {', '.join(critical)}"
@@ -112,11 +115,12 @@ class HolderJudge:
     def __init__(self, client: Client) -> None:
         self.client = client
         self._node: str | None | bool = False  # False: not asked yet
-        self._checks: dict[str, list[dict[str, Any]]] = {}  # one health read per node, however many holders
+        # One health read per node, however many holders: (the checks the token sees, whether ACLs hid some).
+        self._checks: dict[str, tuple[list[dict[str, Any]], bool]] = {}
 
-    def node_checks(self, node: str) -> list[dict[str, Any]]:
+    def node_checks(self, node: str) -> tuple[list[dict[str, Any]], bool]:
         if node not in self._checks:
-            self._checks[node] = self.client.node_checks(node)
+            self._checks[node] = self.client.node_health(node)
         return self._checks[node]
 
     def local_node(self) -> str | None:
