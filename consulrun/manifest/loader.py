@@ -281,8 +281,11 @@ def _semantic_checks(problems: _Problems, data: dict[str, Any]) -> None:
     timer_blocks = [(("defaults", "timer"), defaults.get("timer"))]
     _check_settings(problems, defaults.get("service"), ("defaults", "service"), "service")
     if isinstance(data.get("consul"), dict) and isinstance(data["consul"].get("address"), str):
+        address = data["consul"]["address"]
         try:
-            parse_address(data["consul"]["address"])
+            if re.search(r"[\x00-\x20\x7f-\x9f\u2028\u2029]", address):  # parse_address would cut a "\n" off
+                raise AddressError(f"{_shown(address)} holds whitespace or a control character")
+            parse_address(address)
         except AddressError as exc:
             problems.add(("consul", "address"), str(exc))
     _check_representable(problems, defaults, ("defaults",))  # its on_failure reaches every job's unit
