@@ -37,7 +37,7 @@ from consulrun.manifest.durations import (
     range_text,
 )
 from consulrun.manifest.schema import SCHEMA, conforms, schedule_problem
-from consulrun.manifest.yamlsource import Located, load
+from consulrun.manifest.yamlsource import LimitError, Located, load
 
 
 @dataclass(frozen=True)
@@ -418,6 +418,9 @@ def parse_manifest(text: str, source: str) -> Manifest:
             raise ManifestError([f"{where}: YAML syntax error: {exc.problem or exc}"]) from None
         except yaml.YAMLError as exc:
             raise ManifestError([f"{source}: YAML error: {exc}"]) from None
+        except LimitError as exc:
+            line, col = exc.position()
+            raise ManifestError([f"{source}:{line}:{col}: {exc.message}"]) from None
         return validate(located, source)
     finally:
         if collecting:
