@@ -186,7 +186,8 @@ FULL = {
                    "lock": {"ttl": "30s", "lock_delay": "15s", "wait": "1m", "concurrency": 2, "skip_exit_code": 3,
                             "checks": ["serfHealth"]},
                    "timer": {"accuracy": "1s", "randomized_delay": "2m", "persistent": False},
-                   "on_failure": ["/bin/sh", "-c", "echo $CONSULRUN_JOB"], "ping_url": "http://[::1]:8000/ping/a"}},
+                   "on_failure": ["/bin/sh", "-c", "echo $CONSULRUN_JOB"], "ping_url": "http://[::1]:8000/ping/a",
+                   "pass_consul_token": True}},
 }
 DURATIONS = {"ttl", "lock_delay", "wait", "accuracy", "randomized_delay", "timeout"}
 OUT_OF_RANGE = {"ttl": ["9s", 86401, "2x"], "lock_delay": ["4s", "61s", 0, "1 sex"], "wait": [-1, "367d", "2y"],

@@ -78,6 +78,7 @@ class Job:
     timer_settings: tuple[tuple[str, str], ...] = ()  # extra [Timer] lines, in order
     on_failure: tuple[str, ...] = ()  # argv run by <unit_prefix>-onfailure@<job>.service (OnFailure=)
     ping_url: str | None = None
+    pass_consul_token: bool = False  # the job's environment keeps the wrapper's CONSUL_HTTP_TOKEN(_FILE)
 
 
 @dataclass(frozen=True)
@@ -233,6 +234,7 @@ def _split_command(problems: _Problems, path: tuple[Any, ...], command: str | li
 
 
 SHELL = "/bin/sh"
+CONSUL_CREDENTIALS = frozenset({"CONSUL_HTTP_TOKEN", "CONSUL_HTTP_TOKEN_FILE"})
 
 
 def _check_shell(problems: _Problems, job: dict[str, Any], jpath: tuple[Any, ...]) -> None:
@@ -268,6 +270,10 @@ def _check_representable(problems: _Problems, job: dict[str, Any], jpath: tuple[
     if isinstance(job.get("environment"), dict):
         checks += [(jpath + ("environment", k), f"{k}={v}", unitescape.Context.ENV_ASSIGNMENT)
                    for k, v in job["environment"].items() if isinstance(v, (str, int))]
+        for name in CONSUL_CREDENTIALS & set(job["environment"]):
+            problems.add(jpath + ("environment", name), f"{name} is refused: unit files are world-readable, and a "
+                         "token never goes in one; set consul.token_file (a root-only file, passed with "
+                         "LoadCredential=) and, if the job itself needs the token, pass_consul_token: true", key=True)
     for path, value, context in checks:
         try:
             unitescape.escape(value, context)
@@ -387,6 +393,7 @@ def _build(source: str, data: dict[str, Any], problems: _Problems) -> Manifest:
             timer_settings=_settings({**defaults.get("timer", {}), **raw.get("timer", {})}),
             on_failure=_on_failure(problems, name, raw, defaults),
             ping_url=raw.get("ping_url", defaults.get("ping_url")),
+            pass_consul_token=raw.get("pass_consul_token", False),
         ))
     return Manifest(
         source=source,

@@ -67,6 +67,12 @@ OWNED: dict[str, dict[str, str]] = {
 # Credentials are a list setting a job may well extend; only the id the templates use is consulrun's.
 _CREDENTIAL_SETTINGS = {"LoadCredential", "LoadCredentialEncrypted", "SetCredential", "SetCredentialEncrypted"}
 CONSUL_TOKEN_CREDENTIAL = "consul-token"
+_CONSUL_CREDENTIALS = frozenset({"CONSUL_HTTP_TOKEN", "CONSUL_HTTP_TOKEN_FILE"})
+# Settings that would write a secret into the unit file, which every user can read (README, Security).
+SECRET_IN_UNIT = {
+    "SetCredential": "it writes the credential's value into the unit file, which every user can read; put the secret "
+                     "in a root-only file and use LoadCredential=ID:PATH (or SetCredentialEncrypted=)",
+}
 # systemd resolves `%` specifiers in some settings and not in others (CPUQuota=50%% is an invalid quota). These take a
 # percentage and resolve none (tests/test_unit_settings.py asks systemd-analyze); elsewhere a `%` is refused.
 PERCENT_SETTINGS = frozenset({"CPUQuota", "MemoryMin", "MemoryLow", "MemoryHigh", "MemoryMax", "MemorySwapMax",
@@ -87,6 +93,8 @@ def name_problem(section: str, name: Any) -> str | None:
         return f"write the setting name without '=': {name[:-1]}"
     if name in OWNED[section]:
         return f"{name}= is consulrun's: {OWNED[section][name]}"
+    if section == "service" and name in SECRET_IN_UNIT:
+        return f"{name}= is refused: {SECRET_IN_UNIT[name]}"
     if name in known(section):
         return None
     for other in ("service", "timer", "unit"):
@@ -110,6 +118,9 @@ def value_problem(name: str, value: str) -> str | None:
     """Why `value` cannot be given to `name` although it can be written, or None."""
     if name in _CREDENTIAL_SETTINGS and value.split(":", 1)[0] == CONSUL_TOKEN_CREDENTIAL:
         return f"the credential id {CONSUL_TOKEN_CREDENTIAL!r} is consulrun's (consul.token_file); choose another id"
+    if name == "PassEnvironment" and _CONSUL_CREDENTIALS & set(value.split()):
+        return ("would hand the service manager's Consul token to the job; consulrun passes the node's token with "
+                "consul.token_file, and to the job only with pass_consul_token: true")
     if "%" in value and name not in PERCENT_SETTINGS:
         return (f"has a '%', which {name}= may or may not read as a specifier; consulrun writes '%' only in settings "
                 f"known to take it literally ({', '.join(s + '=' for s in sorted(PERCENT_SETTINGS))})")
