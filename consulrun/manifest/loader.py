@@ -434,6 +434,12 @@ def parse_manifest(text: str, source: str) -> Manifest:
             gc.enable()
 
 
+def _get_in(data: Any, path: tuple[Any, ...]) -> Any:
+    for part in path:
+        data = data[part]
+    return data
+
+
 def validate(located: Located, source: str) -> Manifest:
     """Check parsed data (with its positions) against the schema and the rules a schema cannot state."""
     problems = _Problems(source, located)
@@ -445,6 +451,11 @@ def validate(located: Located, source: str) -> Manifest:
     if not isinstance(data, dict):
         problems.add((), f"the top level must be a mapping with a 'jobs' key, not {_describe(data)}")
         problems.raise_if_any()
+    for path in located.integral_floats:
+        # JSON Schema counts 1.0 as an integer: `concurrency: 1.0` would reach a unit as "1.0", and a duration of
+        # 0.0 was a traceback. No manifest value is a number with a point.
+        problems.add(path, f"{_shown(_get_in(data, path))} is a number with a decimal point; write an integer, "
+                           "or quote it as a string")
     if not conforms(data):
         for err in jsonschema.Draft202012Validator(SCHEMA).iter_errors(data):
             _schema_problem(err, problems)

@@ -28,6 +28,7 @@ class Located:
     values: dict[Path, yaml.Mark] = field(default_factory=dict)  # marks, turned into positions only when asked
     keys: dict[Path, yaml.Mark] = field(default_factory=dict)
     problems: list[tuple[tuple[int, int], str]] = field(default_factory=list)
+    integral_floats: list[Path] = field(default_factory=list)  # values such as 1.0, which JSON Schema calls integers
 
     def where(self, path: Path, *, key: bool = False) -> tuple[int, int]:
         """Position of `path`, or of its nearest located ancestor."""
@@ -90,7 +91,10 @@ class _Walker:
 
     def _node(self, node: yaml.Node, path: Path, where: yaml.Mark | None) -> Any:
         if isinstance(node, yaml.ScalarNode):
-            return self._scalar(node)
+            value = self._scalar(node)
+            if isinstance(value, float) and value.is_integer():
+                self.out.integral_floats.append(path)
+            return value
         if id(node) in self.open:
             raise LimitError(where or node.start_mark,
                              "an alias refers to a node that contains it (a recursive anchor), an endless value")
