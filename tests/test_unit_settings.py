@@ -186,3 +186,49 @@ def test_shell_true_with_a_list_command_is_an_error() -> None:
     assert errors(job("    shell: true\n", command="[/bin/true]")) == [
         "<stdin>:5:12: jobs.a.shell: shell: true runs one command string with /bin/sh -c; write the command as a string, "
         "or drop shell: and keep the list"]
+
+
+# --- settings that would weaken the stop sequence fencing relies on (systemd.kill(5), systemd.service(5)) --------
+
+@pytest.mark.parametrize("extra, message", [
+    ("    service: {TimeoutStopFailureMode: abort}\n",
+     "<stdin>:5:39: jobs.a.service.TimeoutStopFailureMode: TimeoutStopFailureMode=abort is refused (terminate or kill "
+     "are accepted): an abort sends WatchdogSignal= instead of the final kill and then waits TimeoutAbortSec="),
+    ("    service: {TimeoutStartFailureMode: Abort}\n", "TimeoutStartFailureMode=Abort is refused"),
+    ("    service: {WatchdogSignal: SIGCONT}\n",
+     "<stdin>:5:15: jobs.a.service.WatchdogSignal: WatchdogSignal= is refused: it replaces the final SIGKILL"),
+    ("    service: {TimeoutAbortSec: infinity}\n",
+     "<stdin>:5:15: jobs.a.service.TimeoutAbortSec: TimeoutAbortSec= is refused: it is the wait between an abort's "
+     "WatchdogSignal= and the final SIGKILL (infinity: for ever)"),
+    ("    service: {RestartKillSignal: SIGKILL}\n",
+     "<stdin>:5:15: jobs.a.service.RestartKillSignal: RestartKillSignal= is refused: on `systemctl restart` the wrapper "
+     "must get SIGTERM"),
+    ("    service: {SendSIGKILL: false}\n", "<stdin>:5:15: jobs.a.service.SendSIGKILL: SendSIGKILL= is consulrun's"),
+    ("    service: {FinalKillSignal: SIGCONT}\n", "FinalKillSignal= is consulrun's: consulrun sets it so that systemd "
+                                                 "kills the whole job"),
+    ("    service: {KillSignal: SIGCONT}\n", "KillSignal= is consulrun's"),
+    ("    service: {KillMode: mixed}\n", "KillMode= is consulrun's"),
+])
+def test_settings_that_weaken_the_kill_sequence_are_refused_with_the_reason(extra: str, message: str) -> None:
+    problems = errors(job(extra))
+    assert len(problems) == 1, problems
+    assert problems[0].startswith(message) if message.startswith("<") else message in problems[0], problems
+
+
+def test_the_kill_sequence_settings_are_names_systemd_documents() -> None:
+    assert set(unitsettings.KILL_SEQUENCE) | set(unitsettings.KILL_SEQUENCE_MODES) <= set(unitsettings.known("service"))
+
+
+@pytest.mark.systemd
+@pytest.mark.parametrize("extra", ["    service: {TimeoutStopFailureMode: kill, TimeoutStartFailureMode: terminate}\n",
+                                   "    service: {SendSIGHUP: true}\n"])
+def test_modes_that_keep_the_final_kill_render_and_pass_verify(extra: str, tmp_path: Path) -> None:
+    require_tool("systemd-analyze")
+    manifest = tmp_path / "jobs.yaml"
+    manifest.write_text(job(extra))
+    out = tmp_path / "units"
+    result = CliRunner().invoke(main, ["generate", str(manifest), "-o", str(out), "--consulrun-path", "/usr/bin/env"])
+    assert result.exit_code == 0, result.stderr
+    verify = subprocess.run(["systemd-analyze", "verify", "--man=no", *map(str, sorted(out.glob("*.service")))],
+                            capture_output=True, text=True, cwd=out)
+    assert (verify.returncode, verify.stderr) == (0, ""), verify.stderr
