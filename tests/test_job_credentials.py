@@ -15,7 +15,8 @@ from tests.test_acl_tls import _acl, _token_file, acl_agent  # noqa: F401 - acl_
 from tests.test_run import consulrun, finish
 
 OK_JOB = "    command: [/bin/true]\n    schedule: daily\n"
-_DUMP = "import json, os, sys; json.dump({k: v for k, v in os.environ.items() if k.startswith('CONSUL_')}, open(sys.argv[1], 'w'))"
+_DUMP = ("import json, os, sys; "
+         "json.dump({k: v for k, v in os.environ.items() if k.startswith('CONSUL_')}, open(sys.argv[1], 'w'))")
 
 
 def _generate(tmp_path: Path, job: str) -> tuple[int, str]:
@@ -58,7 +59,8 @@ def test_pass_consul_token_reaches_the_unit_s_command_line(tmp_path: Path) -> No
 
 
 @pytest.mark.consul
-def test_the_job_gets_no_consul_token_unless_it_asks(acl_agent: tuple[Agent, str], tmp_path: Path) -> None:  # noqa: F811
+def test_the_job_gets_no_consul_token_unless_it_asks(acl_agent: tuple[Agent, str],  # noqa: F811 - the fixture
+                                                     tmp_path: Path) -> None:
     """The reviewer's `consulrun run j -- sh -c 'cat $CONSUL_HTTP_TOKEN_FILE'` printed the node token."""
     agent, management = acl_agent
     rules = CliRunner().invoke(main, ["acl-policy"]).stdout

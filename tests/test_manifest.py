@@ -279,8 +279,11 @@ def _newline_cases() -> list[tuple[str, dict]]:
     cases = []
     for path in _paths(FULL):
         value = _get(FULL, path)
-        items = [(path, value)] if isinstance(value, str) else [
-            (path + (i,), item) for i, item in enumerate(value) if isinstance(item, str)] if isinstance(value, list) else []
+        if isinstance(value, str):
+            items = [(path, value)]
+        else:
+            items = [(path + (i,), item) for i, item in enumerate(value) if isinstance(item, str)] \
+                if isinstance(value, list) else []
         for where, item in items:
             if where[:len(path)] in FREE_TEXT or path in FREE_TEXT:
                 continue

@@ -17,7 +17,7 @@ from consulrun.errors import UsageError
 JOB = "{command: [/bin/true], schedule: daily}"
 # Seven levels of nine aliases: 1 KB of text, 9**7 (4.8 million) values once expanded; it reached 1.77 GB.
 BOMB = "".join(f"{a}: &{a} [{', '.join([f'*{b}'] * 9) if b else ', '.join(['lol'] * 9)}]\n"
-               for a, b in zip("abcdefg", ["", *"abcdef"])) + f"jobs:\n  j: {{command: [/bin/true], schedule: daily, x: *g}}\n"
+               for a, b in zip("abcdefg", ["", *"abcdef"])) + "jobs:\n  j: {command: [/bin/true], schedule: daily, x: *g}\n"
 
 
 def _generate(tmp_path: Path, text: str) -> tuple[int, str, str]:
@@ -37,7 +37,8 @@ def _generate(tmp_path: Path, text: str) -> tuple[int, str, str]:
 def test_a_recursive_anchor_is_a_positioned_error(tmp_path: Path, text: str, where: str) -> None:
     code, stdout, stderr = _generate(tmp_path, text)
     assert code == 2 and stdout == ""
-    assert stderr == f"Error: {where}an alias refers to a node that contains it (a recursive anchor), an endless value\n"
+    assert stderr == (f"Error: {where}an alias refers to a node that contains it (a recursive anchor), "
+                      "an endless value\n")
     assert not (tmp_path / "units").exists()
 
 

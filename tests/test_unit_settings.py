@@ -15,6 +15,7 @@ from consulrun.cli import main
 from consulrun.manifest.loader import load_manifest, parse_manifest
 from consulrun.units.render import render
 from tests.conftest import require_tool
+from tests.harness.agents import wait_for
 
 GOLDEN = Path(__file__).parent / "golden"
 
@@ -232,3 +233,43 @@ def test_modes_that_keep_the_final_kill_render_and_pass_verify(extra: str, tmp_p
     verify = subprocess.run(["systemd-analyze", "verify", "--man=no", *map(str, sorted(out.glob("*.service")))],
                             capture_output=True, text=True, cwd=out)
     assert (verify.returncode, verify.stderr) == (0, ""), verify.stderr
+
+
+def _show(ctr, unit: str) -> dict[str, str]:  # noqa: ANN001 - tests.harness.nspawn.Container
+    out = ctr.systemctl("show", "-p", "ActiveState,SubState,MainPID,TimeoutAbortUSec", unit).stdout
+    return dict(line.split("=", 1) for line in out.splitlines() if "=" in line)
+
+
+def test_a_booted_systemd_takes_the_abort_path_with_no_final_kill(systemd_container) -> None:  # noqa: ANN001
+    """Why TimeoutStopFailureMode=abort is refused, asked of systemd as PID 1: a job that ignores SIGTERM is, after
+    TimeoutStopSec=, sent WatchdogSignal= (SIGCONT) and waits TimeoutAbortSec=infinity alive in `stop-watchdog`;
+    with the default mode the same job gets the final SIGKILL."""
+    ctr = systemd_container
+    body = ("[Service]\nType=oneshot\nExecStart=/bin/sh -c 'trap \"\" TERM; while :; do sleep 1; done'\n"
+            "TimeoutStopSec=1s\n")
+    units = {"crabort.service": body + "TimeoutStopFailureMode=abort\nWatchdogSignal=SIGCONT\n"
+                                       "TimeoutAbortSec=infinity\n",
+             "crterminate.service": body}
+    for name, text in units.items():
+        (ctr.unit_dir / name).write_text(text)
+    ctr.systemctl("daemon-reload")
+    try:
+        for name in units:
+            ctr.systemctl("start", "--no-block", name)
+            wait_for(lambda name=name: _show(ctr, name)["MainPID"] != "0", 30, f"{name} to run")
+            ctr.systemctl("stop", "--no-block", name)
+        def in_abort() -> dict[str, str] | None:
+            state = _show(ctr, "crabort.service")
+            return state if state["SubState"] == "stop-watchdog" else None
+
+        aborted = wait_for(in_abort, 60, "the abort path")
+        assert aborted["TimeoutAbortUSec"] == "infinity" and aborted["MainPID"] != "0", aborted
+        wait_for(lambda: _show(ctr, "crterminate.service")["ActiveState"] in ("inactive", "failed"), 60,
+                 "the final SIGKILL of the default mode")
+        state = _show(ctr, "crabort.service")
+        assert (state["SubState"], state["MainPID"] != "0") == ("stop-watchdog", True), state
+    finally:
+        for name in units:
+            ctr.systemctl("kill", "--signal=SIGKILL", name, check=False)
+            (ctr.unit_dir / name).unlink()
+        ctr.systemctl("daemon-reload", check=False)

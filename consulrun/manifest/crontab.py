@@ -159,7 +159,8 @@ _MAILTO = re.compile(r"[A-Za-z0-9._+=@][A-Za-z0-9._+=@-]*(\s*,\s*[A-Za-z0-9._+=@
 # What a converted MAILTO runs on failure: a mail to the address with the run's journal lines (the handler's standard
 # input). The address is the script's $1, so no quoting of it can go wrong.
 _MAIL_SCRIPT = ("{ printf 'To: %s\\nSubject: %s failed on %s (%s, exit status %s)\\n\\n' \"$1\" \"$CONSULRUN_JOB\" "
-                "\"$CONSULRUN_NODE\" \"$CONSULRUN_RESULT\" \"$CONSULRUN_EXIT_STATUS\"; cat; } | /usr/sbin/sendmail -i -- \"$1\"")
+                "\"$CONSULRUN_NODE\" \"$CONSULRUN_RESULT\" \"$CONSULRUN_EXIT_STATUS\"; cat; } "
+                "| /usr/sbin/sendmail -i -- \"$1\"")
 
 
 def mail_on_failure(mailto: str) -> list[str]:
@@ -271,7 +272,8 @@ def _render(parts: list[_Crontab]) -> str:
     out = [f"# Converted by `consulrun import-crontab` from {sources}. Each job fires exactly when cron would;",
            "# consulrun runs each occurrence on one node only."]
     out += [f"# not converted: {_printable(p)}" for part in parts for p in part.problems]
-    out += [f"# {_printable(part.source) + ' ' if several else ''}{_printable(n)}" for part in parts for n in part.notes]
+    out += [f"# {_printable(part.source) + ' ' if several else ''}{_printable(n)}"
+            for part in parts for n in part.notes]
     out.append("jobs:")
     for part in parts:
         for job in part.jobs:

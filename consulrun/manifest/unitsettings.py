@@ -69,7 +69,8 @@ OWNED: dict[str, dict[str, str]] = {
 # after TimeoutStopSec= (derived from the lock settings), FinalKillSignal= (SIGKILL) with SendSIGKILL=yes. KillMode=,
 # KillSignal=, FinalKillSignal=, SendSIGKILL= and TimeoutStopSec= are consulrun's (OWNED). These would also weaken it:
 _ABORT = ("an abort sends WatchdogSignal= instead of the final kill and then waits TimeoutAbortSec= "
-          "(infinity: for ever) before SIGKILL, past the time consulrun gives systemd to kill the whole job (see Fencing)")
+          "(infinity: for ever) before SIGKILL, past the time consulrun gives systemd to kill the whole job "
+          "(see Fencing)")
 KILL_SEQUENCE: dict[str, str] = {
     "WatchdogSignal": "it replaces the final SIGKILL when a stop or start times out with the abort mode (SIGCONT there "
                       "kills nothing), and a oneshot unit's watchdog never runs",

@@ -317,7 +317,8 @@ def _run_held(request: RunRequest, locker: Locker, held: Held, fencing: Fencing,
                          signal.Signals(signum).name)
                 outcome = {"lost": f"{signal.Signals(signum).name} before the job started"}
                 return 128 + signum
-            job = Job(list(request.command), _job_environment(held, spec, claim, request.pass_consul_token))  # no other thread while forking
+            env = _job_environment(held, spec, claim, request.pass_consul_token)
+            job = Job(list(request.command), env)  # no other thread while forking
             signals.job = job
         finally:
             signal.pthread_sigmask(signal.SIG_UNBLOCK, FORWARDED)
