@@ -177,7 +177,7 @@ def _read(text: str, source: str, system: bool) -> _Crontab:
         line = raw.strip()
         if not line or line.startswith("#"):
             continue
-        where = f"{source}:{number}"
+        where = f"{_printable(source)}:{number}"
         env_match = _ENV.fullmatch(raw)
         if env_match and not line.startswith("@") and not line[0].isdigit() and not line.startswith("*"):
             name = env_match.group("name").strip("'\"")
