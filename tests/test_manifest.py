@@ -25,6 +25,10 @@ CASES = {
     "wrong-type": ("jobs:\n  a:\n" + OK_JOB + "    user: [root]\n", 5, 11, ["jobs.a.user: expected a user name, got a list"]),
     "wrong-type-bool": ("jobs:\n  a:\n" + OK_JOB + "    timer: {persistent: maybe}\n", 5, 25,
                         ["jobs.a.timer.persistent", "expected a boolean, got a string"]),
+    "integral-float": ("jobs:\n  a:\n" + OK_JOB + "    lock: {concurrency: 1.0}\n", 5, 25,
+                       ["jobs.a.lock.concurrency: 1.0 is a number with a decimal point; write an integer"]),
+    "integral-float-duration": ("jobs:\n  a:\n" + OK_JOB + "    timer: {accuracy: 0.0}\n", 5, 23,
+                                ["jobs.a.timer.accuracy: 0.0 is a number with a decimal point"]),
     "bad-duration": ("jobs:\n  a:\n" + OK_JOB + "    timeout: 5 minutez\n", 5, 14, ["jobs.a.timeout", "is not a duration"]),
     "duration-boolean": ("jobs:\n  a:\n" + OK_JOB + "    timeout: yes\n", 5, 14,
                          ["jobs.a.timeout: expected a duration", "got a boolean"]),
@@ -186,7 +190,8 @@ FULL = {
                    "lock": {"ttl": "30s", "lock_delay": "15s", "wait": "1m", "concurrency": 2, "skip_exit_code": 3,
                             "checks": ["serfHealth"]},
                    "timer": {"accuracy": "1s", "randomized_delay": "2m", "persistent": False},
-                   "on_failure": ["/bin/sh", "-c", "echo $CONSULRUN_JOB"], "ping_url": "http://[::1]:8000/ping/a"}},
+                   "on_failure": ["/bin/sh", "-c", "echo $CONSULRUN_JOB"], "ping_url": "http://[::1]:8000/ping/a",
+                   "pass_consul_token": True}},
 }
 DURATIONS = {"ttl", "lock_delay", "wait", "accuracy", "randomized_delay", "timeout"}
 OUT_OF_RANGE = {"ttl": ["9s", 86401, "2x"], "lock_delay": ["4s", "61s", 0, "1 sex"], "wait": [-1, "367d", "2y"],
@@ -261,6 +266,55 @@ def test_every_field_replaced_by_a_wrong_value_is_a_positioned_error(tmp_path: P
         lines = result.stderr.splitlines()
         assert lines and all(positioned.match(line) for line in lines), (where, result.stderr)
         assert all(len(line) < 400 for line in lines), where
+
+
+# Free text, where a final newline is data the unit escapes: argv words and environment values.
+FREE_TEXT = {("jobs", "a", "command"), ("jobs", "a", "on_failure"), ("defaults", "on_failure"),
+             ("jobs", "a", "environment", "K")}
+
+
+def _newline_cases() -> list[tuple[str, dict]]:
+    import copy
+
+    cases = []
+    for path in _paths(FULL):
+        value = _get(FULL, path)
+        if isinstance(value, str):
+            items = [(path, value)]
+        else:
+            items = [(path + (i,), item) for i, item in enumerate(value) if isinstance(item, str)] \
+                if isinstance(value, list) else []
+        for where, item in items:
+            if where[:len(path)] in FREE_TEXT or path in FREE_TEXT:
+                continue
+            data = copy.deepcopy(FULL)
+            _get(data, where[:-1])[where[-1]] = item + "\n"  # type: ignore[index]
+            cases.append((".".join(map(str, where)), data))
+    renamed = copy.deepcopy(FULL)
+    renamed["jobs"]["abc\n"] = renamed["jobs"].pop("a")
+    env_name = copy.deepcopy(FULL)
+    env_name["jobs"]["a"]["environment"] = {"FOO\n": "bar"}
+    return cases + [("job name", renamed), ("environment name", env_name)]
+
+
+def test_a_trailing_newline_is_refused_in_every_string_field(tmp_path: Path) -> None:
+    """`$` alone matches before a final newline (Python's re, as jsonschema uses it): `unit_prefix: "ops\\n"` wrote
+    unit files whose names held a newline. Every field with a pattern or a parser refuses it, positioned."""
+    import re
+
+    import yaml
+
+    manifest = tmp_path / "jobs.yaml"
+    positioned = re.compile(rf"Error: {re.escape(str(manifest))}:\d+:\d+: \S")
+    cases = _newline_cases()
+    assert len(cases) > 30
+    for where, data in cases:
+        manifest.write_text(yaml.safe_dump(data, width=10**7))
+        result = CliRunner().invoke(main, ["generate", str(manifest), "-o", "-", "--consulrun-path", "/x/consulrun"])
+        assert result.exception is None or isinstance(result.exception, SystemExit), (where, result.exception)
+        assert result.exit_code == 2, (where, result.output)
+        lines = result.stderr.splitlines()
+        assert lines and all(positioned.match(line) for line in lines), (where, result.stderr)
 
 
 def _yaml_values():  # noqa: ANN202 - a hypothesis strategy

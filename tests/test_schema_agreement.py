@@ -24,8 +24,8 @@ ROOT = Path(__file__).resolve().parents[1]
 _anything = st.recursive(st.none() | st.booleans() | st.integers(-2**40, 2**40) | st.floats(allow_nan=False)
                          | st.text(max_size=12), lambda inner: st.lists(inner, max_size=3)
                          | st.dictionaries(st.text(max_size=8), inner, max_size=3), max_leaves=6)
-_duration = st.sampled_from(["15s", "1m", "0s", "10", 15, "1h 30min", "-1s", "", "5 parsecs", True, 2.5])
-_names = st.sampled_from(["backup", "job-1", "a_b.c", "Bad Name", "", "x" * 70, "ünï", "-lead", "ok@node"])
+_duration = st.sampled_from(["15s", "1m", "0s", "10", 15, "1h 30min", "-1s", "", "5 parsecs", True, 2.5, "15s\n"])
+_names = st.sampled_from(["backup", "job-1", "a_b.c", "Bad Name", "", "x" * 70, "ünï", "-lead", "ok@node", "backup\n"])
 _lock = st.fixed_dictionaries({}, optional={
     "ttl": _duration, "lock_delay": _duration, "wait": _duration, "checks": st.lists(st.text(max_size=6), max_size=3)
     | _anything, "concurrency": st.integers(-1, 1002) | _anything, "skip_exit_code": st.integers(-1, 256),
@@ -39,18 +39,20 @@ _job = st.fixed_dictionaries({}, optional={
     "schedule": st.sampled_from(["daily", "*:0/5", "Mon 02:00"]) | st.lists(st.text(max_size=6), max_size=2)
     | _anything,
     "user": _names | _anything, "group": _names, "working_directory": st.sampled_from(["/srv", "relative", ""]),
-    "environment": st.dictionaries(st.sampled_from(["A", "B_2", "1X", "a b"]), st.text(max_size=5) | _anything,
+    "environment": st.dictionaries(st.sampled_from(["A", "B_2", "1X", "a b", "A\n"]), st.text(max_size=5) | _anything,
                                    max_size=2),
-    "environment_file": st.sampled_from(["/etc/x", "rel", "-/etc/y"]),
+    "environment_file": st.sampled_from(["/etc/x", "rel", "-/etc/y", "/etc/x\n"]),
     "timeout": _duration, "lock": _lock | _anything, "timer": _timer,
     "service": st.dictionaries(st.sampled_from(["Nice", "CPUQuota", "nice", ""]), _anything, max_size=2),
     "on_holder_loss": st.sampled_from(["retry", "skip", "other"]) | _anything,
     "history": st.integers(-1, 10_001) | _anything,
     "on_failure": st.text(max_size=8) | st.lists(st.text(max_size=5), max_size=2) | _anything,
-    "ping_url": st.sampled_from(["https://hc.example/ping/x", "ftp://x", "notaurl"]) | _anything,
+    "ping_url": st.sampled_from(["https://hc.example/ping/x", "ftp://x", "notaurl", "https://hc.example/x\n"])
+    | _anything,
     "unknown": _anything})
 _document = st.fixed_dictionaries({}, optional={
-    "unit_prefix": _names | _anything, "kv_prefix": st.sampled_from(["consulrun", "a/b", "/lead", ""]) | _anything,
+    "unit_prefix": _names | _anything,
+    "kv_prefix": st.sampled_from(["consulrun", "a/b", "/lead", "", "a/b\n"]) | _anything,
     "consul": st.dictionaries(st.sampled_from(["address", "token_file", "ca_file", "nope"]),
                               st.text(max_size=8) | _anything, max_size=2),
     "defaults": st.fixed_dictionaries({}, optional={"lock": _lock, "timer": _timer, "history": st.integers(0, 3),
@@ -79,3 +81,13 @@ def test_committed_manifests_agree() -> None:
 @given(_document)
 def test_generated_documents_agree(document: dict) -> None:
     _agree(document)
+
+
+def test_a_final_newline_gets_one_verdict() -> None:
+    """fastjsonschema reads `$` as the true end and jsonschema (Python's re) also before a final newline: with a
+    bare `$`, `unit_prefix: "ops\\n"` failed the compiled check and then passed jsonschema's, unreported."""
+    for document in ({"unit_prefix": "ops\n", "jobs": {"a": {"command": "x", "schedule": "daily"}}},
+                     {"jobs": {"abc\n": {"command": "x", "schedule": "daily"}}},
+                     {"jobs": {"a": {"command": "x", "schedule": "daily", "environment": {"FOO\n": "bar"}}}}):
+        _agree(document)
+        assert not conforms(document)

@@ -15,6 +15,7 @@ from consulrun.cli import main
 from consulrun.manifest.loader import load_manifest, parse_manifest
 from consulrun.units.render import render
 from tests.conftest import require_tool
+from tests.harness.agents import wait_for
 
 GOLDEN = Path(__file__).parent / "golden"
 
@@ -186,3 +187,89 @@ def test_shell_true_with_a_list_command_is_an_error() -> None:
     assert errors(job("    shell: true\n", command="[/bin/true]")) == [
         "<stdin>:5:12: jobs.a.shell: shell: true runs one command string with /bin/sh -c; write the command as a string, "
         "or drop shell: and keep the list"]
+
+
+# --- settings that would weaken the stop sequence fencing relies on (systemd.kill(5), systemd.service(5)) --------
+
+@pytest.mark.parametrize("extra, message", [
+    ("    service: {TimeoutStopFailureMode: abort}\n",
+     "<stdin>:5:39: jobs.a.service.TimeoutStopFailureMode: TimeoutStopFailureMode=abort is refused (terminate or kill "
+     "are accepted): an abort sends WatchdogSignal= instead of the final kill and then waits TimeoutAbortSec="),
+    ("    service: {TimeoutStartFailureMode: Abort}\n", "TimeoutStartFailureMode=Abort is refused"),
+    ("    service: {WatchdogSignal: SIGCONT}\n",
+     "<stdin>:5:15: jobs.a.service.WatchdogSignal: WatchdogSignal= is refused: it replaces the final SIGKILL"),
+    ("    service: {TimeoutAbortSec: infinity}\n",
+     "<stdin>:5:15: jobs.a.service.TimeoutAbortSec: TimeoutAbortSec= is refused: it is the wait between an abort's "
+     "WatchdogSignal= and the final SIGKILL (infinity: for ever)"),
+    ("    service: {RestartKillSignal: SIGKILL}\n",
+     "<stdin>:5:15: jobs.a.service.RestartKillSignal: RestartKillSignal= is refused: on `systemctl restart` the wrapper "
+     "must get SIGTERM"),
+    ("    service: {SendSIGKILL: false}\n", "<stdin>:5:15: jobs.a.service.SendSIGKILL: SendSIGKILL= is consulrun's"),
+    ("    service: {FinalKillSignal: SIGCONT}\n", "FinalKillSignal= is consulrun's: consulrun sets it so that systemd "
+                                                 "kills the whole job"),
+    ("    service: {KillSignal: SIGCONT}\n", "KillSignal= is consulrun's"),
+    ("    service: {KillMode: mixed}\n", "KillMode= is consulrun's"),
+])
+def test_settings_that_weaken_the_kill_sequence_are_refused_with_the_reason(extra: str, message: str) -> None:
+    problems = errors(job(extra))
+    assert len(problems) == 1, problems
+    assert problems[0].startswith(message) if message.startswith("<") else message in problems[0], problems
+
+
+def test_the_kill_sequence_settings_are_names_systemd_documents() -> None:
+    assert set(unitsettings.KILL_SEQUENCE) | set(unitsettings.KILL_SEQUENCE_MODES) <= set(unitsettings.known("service"))
+
+
+@pytest.mark.systemd
+@pytest.mark.parametrize("extra", ["    service: {TimeoutStopFailureMode: kill, TimeoutStartFailureMode: terminate}\n",
+                                   "    service: {SendSIGHUP: true}\n"])
+def test_modes_that_keep_the_final_kill_render_and_pass_verify(extra: str, tmp_path: Path) -> None:
+    require_tool("systemd-analyze")
+    manifest = tmp_path / "jobs.yaml"
+    manifest.write_text(job(extra))
+    out = tmp_path / "units"
+    result = CliRunner().invoke(main, ["generate", str(manifest), "-o", str(out), "--consulrun-path", "/usr/bin/env"])
+    assert result.exit_code == 0, result.stderr
+    verify = subprocess.run(["systemd-analyze", "verify", "--man=no", *map(str, sorted(out.glob("*.service")))],
+                            capture_output=True, text=True, cwd=out)
+    assert (verify.returncode, verify.stderr) == (0, ""), verify.stderr
+
+
+def _show(ctr, unit: str) -> dict[str, str]:  # noqa: ANN001 - tests.harness.nspawn.Container
+    out = ctr.systemctl("show", "-p", "ActiveState,SubState,MainPID,TimeoutAbortUSec", unit).stdout
+    return dict(line.split("=", 1) for line in out.splitlines() if "=" in line)
+
+
+def test_a_booted_systemd_takes_the_abort_path_with_no_final_kill(systemd_container) -> None:  # noqa: ANN001
+    """Why TimeoutStopFailureMode=abort is refused, asked of systemd as PID 1: a job that ignores SIGTERM is, after
+    TimeoutStopSec=, sent WatchdogSignal= (SIGCONT) and waits TimeoutAbortSec=infinity alive in `stop-watchdog`;
+    with the default mode the same job gets the final SIGKILL."""
+    ctr = systemd_container
+    body = ("[Service]\nType=oneshot\nExecStart=/bin/sh -c 'trap \"\" TERM; while :; do sleep 1; done'\n"
+            "TimeoutStopSec=1s\n")
+    units = {"crabort.service": body + "TimeoutStopFailureMode=abort\nWatchdogSignal=SIGCONT\n"
+                                       "TimeoutAbortSec=infinity\n",
+             "crterminate.service": body}
+    for name, text in units.items():
+        (ctr.unit_dir / name).write_text(text)
+    ctr.systemctl("daemon-reload")
+    try:
+        for name in units:
+            ctr.systemctl("start", "--no-block", name)
+            wait_for(lambda name=name: _show(ctr, name)["MainPID"] != "0", 30, f"{name} to run")
+            ctr.systemctl("stop", "--no-block", name)
+        def in_abort() -> dict[str, str] | None:
+            state = _show(ctr, "crabort.service")
+            return state if state["SubState"] == "stop-watchdog" else None
+
+        aborted = wait_for(in_abort, 60, "the abort path")
+        assert aborted["TimeoutAbortUSec"] == "infinity" and aborted["MainPID"] != "0", aborted
+        wait_for(lambda: _show(ctr, "crterminate.service")["ActiveState"] in ("inactive", "failed"), 60,
+                 "the final SIGKILL of the default mode")
+        state = _show(ctr, "crabort.service")
+        assert (state["SubState"], state["MainPID"] != "0") == ("stop-watchdog", True), state
+    finally:
+        for name in units:
+            ctr.systemctl("kill", "--signal=SIGKILL", name, check=False)
+            (ctr.unit_dir / name).unlink()
+        ctr.systemctl("daemon-reload", check=False)

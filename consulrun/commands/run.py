@@ -39,12 +39,16 @@ from consulrun.manifest.durations import LOCK_DELAY_RANGE_MS, TTL_RANGE_MS, rang
 @click.option("--health-check", is_flag=True,
               help="Also set the job's Consul health check (on the prefix's external node) from the result, "
                    "in the same transaction; if Consul refuses the check, the result is recorded without it.")
+@click.option("--pass-consul-token", is_flag=True,
+              help="Leave CONSUL_HTTP_TOKEN and CONSUL_HTTP_TOKEN_FILE in the job's environment (by default the job "
+                   "gets neither).")
 @agent_options
 @click.argument("job")
 @click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
 def run(job: str, command: tuple[str, ...], prefix: str, ttl: int, lock_delay: int, checks: tuple[str, ...],
         wait: int, concurrency: int, skip_exit_code: int, schedules: tuple[str, ...], on_holder_loss: str,
-        history: int, ping_url: str | None, health_check: bool, **consul: str | None) -> None:
+        history: int, ping_url: str | None, health_check: bool, pass_consul_token: bool,
+        **consul: str | None) -> None:
     """Run COMMAND for JOB on this node only if this node gets JOB's Consul lock.
 
     \b
@@ -55,11 +59,13 @@ def run(job: str, command: tuple[str, ...], prefix: str, ttl: int, lock_delay: i
 
     The job gets CONSULRUN_JOB, CONSULRUN_SESSION, CONSULRUN_LOCK_KEY and
     CONSULRUN_FENCING_TOKEN (the lock key's ModifyIndex: larger for every later
-    holder, so the job can refuse a stale holder's write) in its environment.
-    Its own exit status is passed through. If the lock cannot be confirmed,
+    holder, so the job can refuse a stale holder's write) in its environment,
+    and not the wrapper's CONSUL_HTTP_TOKEN or CONSUL_HTTP_TOKEN_FILE (unless
+    --pass-consul-token). Its own exit status is passed through. If the lock cannot be confirmed,
     every process of the job (also those that left its process group) is
     killed and the status is 75; the lock is never released while one lives.
     """
     start(job, command, prefix=prefix, ttl=ttl, lock_delay=lock_delay, checks=checks, wait=wait,
           concurrency=concurrency, skip_exit_code=skip_exit_code, schedules=schedules, on_holder_loss=on_holder_loss,
-          history=history, ping_url=ping_url, health_check=health_check, **consul)
+          history=history, ping_url=ping_url, health_check=health_check, pass_consul_token=pass_consul_token,
+          **consul)

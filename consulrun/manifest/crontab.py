@@ -12,9 +12,9 @@ as a comment. Lines that cannot be converted are reported with their number.
 
 from __future__ import annotations
 
-import posixpath
 import re
 import shlex
+import unicodedata
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
@@ -23,13 +23,12 @@ from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 import yaml
 
 from consulrun.errors import ManifestError, UsageError
-from consulrun.manifest import cronfields, shellsyntax
+from consulrun.manifest import cronfields, cronnames, shellsyntax
 
 _ENV = re.compile(r"\s*(?P<name>\"[^\"]*\"|'[^']*'|[^=\s]+)\s*=\s*(?P<value>.*?)\s*")
 _VARIABLE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _USER = re.compile(r"[A-Za-z_][A-Za-z0-9_.-]{0,31}\$?")
 _PLAIN_COMMAND = re.compile(r"[A-Za-z0-9_@%+=:,./ '\"-]+")
-_NAME_CHARS = re.compile(r"[^A-Za-z0-9_.-]+")
 DEFAULT_SHELL = "/bin/sh"
 _CRON_ONLY = {"SHELL", "MAILTO", "CRON_TZ", "MAILFROM", "CONTENT_TYPE", "CONTENT_TRANSFER_ENCODING", "RANDOM_DELAY"}
 
@@ -47,6 +46,18 @@ class _Job:
     line: int
     text: str
     data: dict[str, Any] = field(default_factory=dict)
+    program: str = ""  # what the line runs, for its name
+    name: str = ""
+
+
+@dataclass
+class _Crontab:
+    """One crontab's converted lines."""
+
+    source: str
+    jobs: list[_Job]
+    notes: list[str]
+    problems: list[str]
 
 
 def split_percent(command: str) -> tuple[str, str | None]:
@@ -109,20 +120,6 @@ def _command(text: str, shell: str) -> tuple[str | list[str], bool]:
     return command, True
 
 
-def _job_name(command: str, taken: set[str]) -> str:
-    """A job name from the command's program (`/usr/bin/backup.sh --full` -> `backup.sh`), unique in the file."""
-    words = command.split()
-    words = [w for w in words if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*=\S*", w)] or ["job"]
-    base = _NAME_CHARS.sub("-", posixpath.basename(words[0].strip("'\""))).strip("-._")[:56] or "job"
-    if not base[0].isalnum():
-        base = "job-" + base
-    name, n = base, 2
-    while name in taken:
-        name, n = f"{base}-{n}", n + 1
-    taken.add(name)
-    return name
-
-
 def _never_fires(specs: list[str]) -> bool:
     from consulrun.manifest import calendar
 
@@ -135,17 +132,52 @@ def convert(text: str, source: str, system: bool = False) -> str:
     `system`: the /etc/crontab and /etc/cron.d format, with a user column
     between the time fields and the command.
     """
-    env: dict[str, str] = {}
-    shell, zone = DEFAULT_SHELL, None
-    notes: list[str] = []
-    problems: list[str] = []
-    jobs: list[_Job] = []
+    return convert_all([(text, source, system)])
+
+
+def convert_all(crontabs: list[tuple[str, str, bool]]) -> str:
+    """One manifest for several crontabs, as (text, source, system) each; job names are unique across them all."""
     taken: set[str] = set()
+    parts = []
+    for text, source, system in crontabs:
+        part = _read(text, source, system)
+        names = cronnames.names([job.program for job in part.jobs], cronnames.file_name(source) if system else "",
+                                taken)
+        for job, name in zip(part.jobs, names):
+            job.name = name
+        parts.append(part)
+    manifest = _render(parts)
+    _self_check(manifest, ", ".join(part.source for part in parts))
+    problems = [problem for part in parts for problem in part.problems]
+    if problems:
+        raise CrontabError(problems, manifest)
+    return manifest
+
+
+# An address list as cron hands MAILTO to sendmail: addresses separated by commas, none of them an option.
+_MAILTO = re.compile(r"[A-Za-z0-9._+=@][A-Za-z0-9._+=@-]*(\s*,\s*[A-Za-z0-9._+=@][A-Za-z0-9._+=@-]*)*")
+# What a converted MAILTO runs on failure: a mail to the address with the run's journal lines (the handler's standard
+# input). The address is the script's $1, so no quoting of it can go wrong.
+_MAIL_SCRIPT = ("{ printf 'To: %s\\nSubject: %s failed on %s (%s, exit status %s)\\n\\n' \"$1\" \"$CONSULRUN_JOB\" "
+                "\"$CONSULRUN_NODE\" \"$CONSULRUN_RESULT\" \"$CONSULRUN_EXIT_STATUS\"; cat; } "
+                "| /usr/sbin/sendmail -i -- \"$1\"")
+
+
+def mail_on_failure(mailto: str) -> list[str]:
+    """The `on_failure:` a MAILTO line becomes: mail `mailto` the journal lines, through sendmail as cron does."""
+    return ["/bin/sh", "-c", _MAIL_SCRIPT, "mailto", mailto]
+
+
+def _read(text: str, source: str, system: bool) -> _Crontab:
+    env: dict[str, str] = {}
+    shell, zone, mailto = DEFAULT_SHELL, None, None
+    part = _Crontab(source, [], [], [])
+    notes, problems = part.notes, part.problems
     for number, raw in enumerate(text.split("\n"), start=1):  # cron's lines end at a newline and nothing else
         line = raw.strip()
         if not line or line.startswith("#"):
             continue
-        where = f"{source}:{number}"
+        where = f"{_printable(source)}:{number}"
         env_match = _ENV.fullmatch(raw)
         if env_match and not line.startswith("@") and not line[0].isdigit() and not line.startswith("*"):
             name = env_match.group("name").strip("'\"")
@@ -162,35 +194,42 @@ def convert(text: str, source: str, system: bool = False) -> str:
                     problems.append(f"{where}: CRON_TZ={value!r} is not a time zone; entries after it cannot be "
                                     "converted")
                     zone = "invalid"
+            elif name == "MAILTO" and not value:
+                mailto = None
+                notes.append(f"line {number}: {line} -- cron sends no mail for the lines after it; neither do their "
+                             "jobs")
+            elif name == "MAILTO" and _MAILTO.fullmatch(value):
+                mailto = value
+                notes.append(f"line {number}: {line} -- the jobs after it mail {value} their last journal lines "
+                             "when a run fails (on_failure); cron mailed any output, of a run that succeeded too, "
+                             "which consulrun leaves in the journal")
             elif name == "MAILTO":
-                notes.append(f"line {number}: {_printable(line)} -- not converted: a job's output goes to the "
-                             "journal, and consulrun has no on_failure alerting yet")
+                mailto = None
+                problems.append(f"{where}: MAILTO={value!r} is not a list of mail addresses; the jobs after it get "
+                                "no on_failure")
             elif name in _CRON_ONLY:
-                notes.append(f"line {number}: {_printable(line)} -- cron's own setting, not converted")
+                notes.append(f"line {number}: {line} -- cron's own setting, not converted")
             elif not _VARIABLE.fullmatch(name):
                 problems.append(f"{where}: {name!r} is not an environment variable name a unit can set")
             else:
                 env[name] = value
             continue
         try:
-            job = _entry(raw, number, system, env, shell, zone, taken)
+            job = _entry(raw, number, system, env, shell, zone)
         except cronfields.CronError as exc:
             problems.append(f"{where}: cannot convert {line!r}: {exc}")
             continue
+        if mailto:
+            job.data["on_failure"] = mail_on_failure(mailto)
         problem = _job_problem(job)
         if problem:
             problems.append(f"{where}: cannot convert {line!r}: {problem}")
             continue
-        jobs.append(job)
-    manifest = _render(jobs, notes, problems, source)
-    _self_check(manifest, source)
-    if problems:
-        raise CrontabError(problems, manifest)
-    return manifest
+        part.jobs.append(job)
+    return part
 
 
-def _entry(raw: str, number: int, system: bool, env: dict[str, str], shell: str, zone: str | None,
-           taken: set[str]) -> _Job:
+def _entry(raw: str, number: int, system: bool, env: dict[str, str], shell: str, zone: str | None) -> _Job:
     line = raw.strip()
     count = (1 if line.startswith("@") else 5) + (1 if system else 0)
     parts = line.split(None, count)
@@ -215,22 +254,33 @@ def _entry(raw: str, number: int, system: bool, env: dict[str, str], shell: str,
         data["user"] = user
     if env:
         data["environment"] = dict(env)
-    return _Job(number, line, {_job_name(split_percent(parts[count])[0], taken): data})
+    return _Job(number, line, data, program=cronnames.program(split_percent(parts[count])[0]))
 
 
-def _render(jobs: list[_Job], notes: list[str], problems: list[str], source: str) -> str:
-    """The manifest text, each job under a comment quoting its crontab line; '' when no job converted."""
-    if not jobs:
+def _render(parts: list[_Crontab]) -> str:
+    """The manifest text, each job under a comment quoting its crontab line; '' when no job converted.
+
+    A crontab line may hold anything but a newline, and YAML ends a line at more than a newline (`\\r`,
+    U+0085, U+2028, U+2029): left in a comment, such a character turned the rest of the line into manifest
+    (a root job hidden in a comment). So comments show such characters escaped, and values holding them
+    are double-quoted with every non-ASCII character escaped; what loads back is exactly the jobs converted.
+    """
+    if not any(part.jobs for part in parts):
         return ""
-    out = [f"# Converted by `consulrun import-crontab` from {source}. Each job fires exactly when cron would;",
+    several = len(parts) > 1
+    sources = ", ".join(_printable(part.source) for part in parts)
+    out = [f"# Converted by `consulrun import-crontab` from {sources}. Each job fires exactly when cron would;",
            "# consulrun runs each occurrence on one node only."]
-    out += [f"# not converted: {_printable(p)}" for p in problems] + [f"# {n}" for n in notes]
+    out += [f"# not converted: {_printable(p)}" for part in parts for p in part.problems]
+    out += [f"# {_printable(part.source) + ' ' if several else ''}{_printable(n)}"
+            for part in parts for n in part.notes]
     out.append("jobs:")
-    for job in jobs:
-        out.append(f"  # line {job.line}: {_printable(job.text)}")
-        body = yaml.dump(job.data, Dumper=_Dumper, sort_keys=False, allow_unicode=True, width=100,
-                         default_flow_style=False)
-        out += ["  " + row if row else row for row in body.rstrip("\n").split("\n")]
+    for part in parts:
+        for job in part.jobs:
+            out.append(f"  # {_printable(part.source) + ' ' if several else ''}line {job.line}: {_printable(job.text)}")
+            body = yaml.dump({job.name: job.data}, Dumper=_Dumper, sort_keys=False,
+                             allow_unicode=not _has_unsafe(job.data), width=100, default_flow_style=False)
+            out += ["  " + row if row else row for row in body.rstrip("\n").split("\n")]
     return "\n".join(out) + "\n"
 
 
@@ -238,7 +288,28 @@ class _Dumper(yaml.SafeDumper):
     """Multi-line strings (a command with its standard input) as literal blocks, the way they would be typed."""
 
 
+# What must never reach the output as itself: control characters (Cc), line and paragraph separators (Zl, Zp), format
+# characters (Cf: bidirectional overrides, zero-width, BOM), surrogates, private-use and unassigned code points.
+_UNSAFE_CATEGORIES = frozenset({"Cc", "Cf", "Zl", "Zp", "Cs", "Co", "Cn"})
+
+
+def _unsafe(ch: str) -> bool:
+    return ch != "\n" and unicodedata.category(ch) in _UNSAFE_CATEGORIES
+
+
+def _has_unsafe(data: Any) -> bool:
+    if isinstance(data, str):
+        return any(map(_unsafe, data))
+    if isinstance(data, dict):
+        return any(_has_unsafe(k) or _has_unsafe(v) for k, v in data.items())
+    if isinstance(data, list):
+        return any(map(_has_unsafe, data))
+    return False
+
+
 def _str(dumper: yaml.SafeDumper, data: str) -> yaml.ScalarNode:
+    if _has_unsafe(data):  # double quotes are the one style in which YAML escapes them
+        return dumper.represent_scalar("tag:yaml.org,2002:str", data, style='"')
     return dumper.represent_scalar("tag:yaml.org,2002:str", data, style="|" if "\n" in data else None)
 
 
@@ -246,8 +317,9 @@ _Dumper.add_representer(str, _str)
 
 
 def _printable(text: str) -> str:
-    """Text for a YAML comment: control characters would end it or make the stream invalid."""
-    return re.sub(r"[\x00-\x1f\x7f-\x9f]", "?", text)
+    """Text for a YAML comment: every character that could end the comment, make the stream invalid or mislead a
+    terminal, escaped as Python writes it (U+2028 as \\u2028)."""
+    return "".join(ascii(ch)[1:-1] if ch == "\n" or _unsafe(ch) else ch for ch in text)
 
 
 def _job_problem(job: _Job) -> str | None:
@@ -256,7 +328,7 @@ def _job_problem(job: _Job) -> str | None:
     from consulrun.manifest.loader import parse_manifest
 
     try:
-        parse_manifest(yaml.safe_dump({"jobs": job.data}), "-")
+        parse_manifest(yaml.safe_dump({"jobs": {"j": job.data}}), "-")
     except ManifestError as exc:
         return exc.problems[0].split(": ", 2)[-1]
     return None

@@ -38,7 +38,7 @@ _NUMBER = r"(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)"
 # One part: a number, optional spaces, an optional unit that is not the start of a longer word.
 _PART = re.compile(rf" *({_NUMBER}) *({_UNIT})?(?![A-Za-z\u00b5\u03bc])")
 # The same grammar as one regular expression; the manifest schema carries a copy (a test keeps them equal).
-PATTERN = rf"^ *(?:{_NUMBER} *(?:{_UNIT})?(?![A-Za-z\u00b5\u03bc]) *)+$"
+PATTERN = rf"^ *(?:{_NUMBER} *(?:{_UNIT})?(?![A-Za-z\u00b5\u03bc]) *)+$(?!\n)"  # $ alone matches before a final newline
 EXAMPLES = "e.g. 500ms, 15s, 1m30s, 1h 30min"
 
 

@@ -37,7 +37,7 @@ from consulrun.manifest.durations import (
     range_text,
 )
 from consulrun.manifest.schema import SCHEMA, conforms, schedule_problem
-from consulrun.manifest.yamlsource import Located, load
+from consulrun.manifest.yamlsource import LimitError, Located, load
 
 
 @dataclass(frozen=True)
@@ -78,6 +78,7 @@ class Job:
     timer_settings: tuple[tuple[str, str], ...] = ()  # extra [Timer] lines, in order
     on_failure: tuple[str, ...] = ()  # argv run by <unit_prefix>-onfailure@<job>.service (OnFailure=)
     ping_url: str | None = None
+    pass_consul_token: bool = False  # the job's environment keeps the wrapper's CONSUL_HTTP_TOKEN(_FILE)
 
 
 @dataclass(frozen=True)
@@ -233,6 +234,7 @@ def _split_command(problems: _Problems, path: tuple[Any, ...], command: str | li
 
 
 SHELL = "/bin/sh"
+CONSUL_CREDENTIALS = frozenset({"CONSUL_HTTP_TOKEN", "CONSUL_HTTP_TOKEN_FILE"})
 
 
 def _check_shell(problems: _Problems, job: dict[str, Any], jpath: tuple[Any, ...]) -> None:
@@ -268,6 +270,10 @@ def _check_representable(problems: _Problems, job: dict[str, Any], jpath: tuple[
     if isinstance(job.get("environment"), dict):
         checks += [(jpath + ("environment", k), f"{k}={v}", unitescape.Context.ENV_ASSIGNMENT)
                    for k, v in job["environment"].items() if isinstance(v, (str, int))]
+        for name in CONSUL_CREDENTIALS & set(job["environment"]):
+            problems.add(jpath + ("environment", name), f"{name} is refused: unit files are world-readable, and a "
+                         "token never goes in one; set consul.token_file (a root-only file, passed with "
+                         "LoadCredential=) and, if the job itself needs the token, pass_consul_token: true", key=True)
     for path, value, context in checks:
         try:
             unitescape.escape(value, context)
@@ -281,8 +287,11 @@ def _semantic_checks(problems: _Problems, data: dict[str, Any]) -> None:
     timer_blocks = [(("defaults", "timer"), defaults.get("timer"))]
     _check_settings(problems, defaults.get("service"), ("defaults", "service"), "service")
     if isinstance(data.get("consul"), dict) and isinstance(data["consul"].get("address"), str):
+        address = data["consul"]["address"]
         try:
-            parse_address(data["consul"]["address"])
+            if re.search(r"[\x00-\x20\x7f-\x9f\u2028\u2029]", address):  # parse_address would cut a "\n" off
+                raise AddressError(f"{_shown(address)} holds whitespace or a control character")
+            parse_address(address)
         except AddressError as exc:
             problems.add(("consul", "address"), str(exc))
     _check_representable(problems, defaults, ("defaults",))  # its on_failure reaches every job's unit
@@ -384,6 +393,7 @@ def _build(source: str, data: dict[str, Any], problems: _Problems) -> Manifest:
             timer_settings=_settings({**defaults.get("timer", {}), **raw.get("timer", {})}),
             on_failure=_on_failure(problems, name, raw, defaults),
             ping_url=raw.get("ping_url", defaults.get("ping_url")),
+            pass_consul_token=raw.get("pass_consul_token", False),
         ))
     return Manifest(
         source=source,
@@ -415,10 +425,19 @@ def parse_manifest(text: str, source: str) -> Manifest:
             raise ManifestError([f"{where}: YAML syntax error: {exc.problem or exc}"]) from None
         except yaml.YAMLError as exc:
             raise ManifestError([f"{source}: YAML error: {exc}"]) from None
+        except LimitError as exc:
+            line, col = exc.position()
+            raise ManifestError([f"{source}:{line}:{col}: {exc.message}"]) from None
         return validate(located, source)
     finally:
         if collecting:
             gc.enable()
+
+
+def _get_in(data: Any, path: tuple[Any, ...]) -> Any:
+    for part in path:
+        data = data[part]
+    return data
 
 
 def validate(located: Located, source: str) -> Manifest:
@@ -432,6 +451,11 @@ def validate(located: Located, source: str) -> Manifest:
     if not isinstance(data, dict):
         problems.add((), f"the top level must be a mapping with a 'jobs' key, not {_describe(data)}")
         problems.raise_if_any()
+    for path in located.integral_floats:
+        # JSON Schema counts 1.0 as an integer: `concurrency: 1.0` would reach a unit as "1.0", and a duration of
+        # 0.0 was a traceback. No manifest value is a number with a point.
+        problems.add(path, f"{_shown(_get_in(data, path))} is a number with a decimal point; write an integer, "
+                           "or quote it as a string")
     if not conforms(data):
         for err in jsonschema.Draft202012Validator(SCHEMA).iter_errors(data):
             _schema_problem(err, problems)

@@ -64,9 +64,35 @@ OWNED: dict[str, dict[str, str]] = {
         "OnUnitInactiveSec": _MONOTONIC,
     },
 }
+# Settings that change systemd's stop sequence, which fencing relies on (systemd.kill(5), systemd.service(5)): on a
+# stop or a timeout the cgroup gets KillSignal= (SIGTERM, which the wrapper turns into its own kill of the job), then,
+# after TimeoutStopSec= (derived from the lock settings), FinalKillSignal= (SIGKILL) with SendSIGKILL=yes. KillMode=,
+# KillSignal=, FinalKillSignal=, SendSIGKILL= and TimeoutStopSec= are consulrun's (OWNED). These would also weaken it:
+_ABORT = ("an abort sends WatchdogSignal= instead of the final kill and then waits TimeoutAbortSec= "
+          "(infinity: for ever) before SIGKILL, past the time consulrun gives systemd to kill the whole job "
+          "(see Fencing)")
+KILL_SEQUENCE: dict[str, str] = {
+    "WatchdogSignal": "it replaces the final SIGKILL when a stop or start times out with the abort mode (SIGCONT there "
+                      "kills nothing), and a oneshot unit's watchdog never runs",
+    "TimeoutAbortSec": "it is the wait between an abort's WatchdogSignal= and the final SIGKILL (infinity: for ever); "
+                       "consulrun's units never abort, and this must not become a way to outlive the lock",
+    "RestartKillSignal": "on `systemctl restart` the wrapper must get SIGTERM as on a stop, to kill the job, wait for "
+                         "all of it and record the run",
+}
+# Settings taking one of several modes, of which some weaken the stop sequence: mode -> why.
+KILL_SEQUENCE_MODES: dict[str, dict[str, str]] = {
+    "TimeoutStopFailureMode": {"abort": _ABORT},
+    "TimeoutStartFailureMode": {"abort": _ABORT},
+}
 # Credentials are a list setting a job may well extend; only the id the templates use is consulrun's.
 _CREDENTIAL_SETTINGS = {"LoadCredential", "LoadCredentialEncrypted", "SetCredential", "SetCredentialEncrypted"}
 CONSUL_TOKEN_CREDENTIAL = "consul-token"
+_CONSUL_CREDENTIALS = frozenset({"CONSUL_HTTP_TOKEN", "CONSUL_HTTP_TOKEN_FILE"})
+# Settings that would write a secret into the unit file, which every user can read (README, Security).
+SECRET_IN_UNIT = {
+    "SetCredential": "it writes the credential's value into the unit file, which every user can read; put the secret "
+                     "in a root-only file and use LoadCredential=ID:PATH (or SetCredentialEncrypted=)",
+}
 # systemd resolves `%` specifiers in some settings and not in others (CPUQuota=50%% is an invalid quota). These take a
 # percentage and resolve none (tests/test_unit_settings.py asks systemd-analyze); elsewhere a `%` is refused.
 PERCENT_SETTINGS = frozenset({"CPUQuota", "MemoryMin", "MemoryLow", "MemoryHigh", "MemoryMax", "MemorySwapMax",
@@ -87,6 +113,10 @@ def name_problem(section: str, name: Any) -> str | None:
         return f"write the setting name without '=': {name[:-1]}"
     if name in OWNED[section]:
         return f"{name}= is consulrun's: {OWNED[section][name]}"
+    if section == "service" and name in SECRET_IN_UNIT:
+        return f"{name}= is refused: {SECRET_IN_UNIT[name]}"
+    if section == "service" and name in KILL_SEQUENCE:
+        return f"{name}= is refused: {KILL_SEQUENCE[name]}"
     if name in known(section):
         return None
     for other in ("service", "timer", "unit"):
@@ -110,6 +140,13 @@ def value_problem(name: str, value: str) -> str | None:
     """Why `value` cannot be given to `name` although it can be written, or None."""
     if name in _CREDENTIAL_SETTINGS and value.split(":", 1)[0] == CONSUL_TOKEN_CREDENTIAL:
         return f"the credential id {CONSUL_TOKEN_CREDENTIAL!r} is consulrun's (consul.token_file); choose another id"
+    if value.strip().lower() in KILL_SEQUENCE_MODES.get(name, {}):
+        allowed = " or ".join(m for m in ("terminate", "kill") if m not in KILL_SEQUENCE_MODES[name])
+        why = KILL_SEQUENCE_MODES[name][value.strip().lower()]
+        return f"{name}={value.strip()} is refused ({allowed} are accepted): {why}"
+    if name == "PassEnvironment" and _CONSUL_CREDENTIALS & set(value.split()):
+        return ("would hand the service manager's Consul token to the job; consulrun passes the node's token with "
+                "consul.token_file, and to the job only with pass_consul_token: true")
     if "%" in value and name not in PERCENT_SETTINGS:
         return (f"has a '%', which {name}= may or may not read as a specifier; consulrun writes '%' only in settings "
                 f"known to take it literally ({', '.join(s + '=' for s in sorted(PERCENT_SETTINGS))})")

@@ -56,6 +56,7 @@ class RunRequest:
     history: int = 20
     ping_url: str | None = None  # Healthchecks.io-style monitor (notify.py)
     health_check: bool = False  # the result also sets the job's Consul health check (health.py)
+    pass_consul_token: bool = False  # the job keeps CONSUL_HTTP_TOKEN(_FILE) (the manifest's pass_consul_token)
 
 
 class _Signals:
@@ -187,9 +188,14 @@ def _wait_readable(fds: list[int], timeout_s: float) -> None:
     poller.poll(max(0.0, timeout_s) * 1000)
 
 
-def _job_environment(held: Held, spec: LockSpec, claim: dict[str, object] | None) -> dict[str, str]:
+def _job_environment(held: Held, spec: LockSpec, claim: dict[str, object] | None,
+                     pass_consul_token: bool = False) -> dict[str, str]:
+    """The wrapper's environment, less its Consul credentials: with them any job would hold the node's KV and
+    session write rights (a job that needs them says `pass_consul_token: true`). The credential file itself stays
+    in $CREDENTIALS_DIRECTORY, readable by the unit's user: README's Security section says so."""
     env = dict(os.environ)
-    for name in ("CONSULRUN_TEST_PAUSE", "CONSULRUN_TEST_HOOK_DIR", "CONSULRUN_TEST_FAIL"):
+    for name in ("CONSULRUN_TEST_PAUSE", "CONSULRUN_TEST_HOOK_DIR", "CONSULRUN_TEST_FAIL",
+                 *(() if pass_consul_token else ("CONSUL_HTTP_TOKEN", "CONSUL_HTTP_TOKEN_FILE"))):
         env.pop(name, None)
     env.update({"CONSULRUN_JOB": spec.job, "CONSULRUN_SESSION": held.session, "CONSULRUN_LOCK_KEY": held.key,
                 "CONSULRUN_FENCING_TOKEN": str(held.fencing_token)})
@@ -311,7 +317,8 @@ def _run_held(request: RunRequest, locker: Locker, held: Held, fencing: Fencing,
                          signal.Signals(signum).name)
                 outcome = {"lost": f"{signal.Signals(signum).name} before the job started"}
                 return 128 + signum
-            job = Job(list(request.command), _job_environment(held, spec, claim))  # no other thread while forking
+            env = _job_environment(held, spec, claim, request.pass_consul_token)
+            job = Job(list(request.command), env)  # no other thread while forking
             signals.job = job
         finally:
             signal.pthread_sigmask(signal.SIG_UNBLOCK, FORWARDED)

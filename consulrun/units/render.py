@@ -88,6 +88,8 @@ def run_argv(manifest: Manifest, job: Job, consulrun_path: str) -> list[str]:
         argv += ["--ping-url", job.ping_url]
     if manifest.health_checks and job.name != WATCHDOG_JOB:
         argv += ["--health-check"]
+    if job.pass_consul_token:
+        argv += ["--pass-consul-token"]
     return argv + [job.name, "--", *job.command]
 
 
