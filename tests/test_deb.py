@@ -109,6 +109,11 @@ def test_installed_package_runs_a_timer_job_under_the_lock_and_removal_disarms_i
     where = node.exec(PACKAGED.replace("bin/consulrun", "bin/env"), "-i", "/opt/consulrun/bin/python", "-c",
                       "import consulrun, jsonschema; print(consulrun.__file__, jsonschema.__file__)").stdout.split()
     assert all(path.startswith("/opt/consulrun/lib/python3.11/site-packages/") for path in where), where
+    # bash completion where bash-completion looks, answered by the packaged program.
+    completion = node.exec("bash", "-c", "source /usr/share/bash-completion/completions/consulrun; "
+                           "COMP_WORDS=(consulrun ins); COMP_CWORD=1; _consulrun_completion consulrun; "
+                           "echo \"${COMPREPLY[*]}\"").stdout.split()
+    assert "install" in completion and "run" not in completion, completion
 
     (node.shared / "jobs.yaml").write_text(yaml.safe_dump({
         "defaults": {"lock": {"ttl": "10s", "lock_delay": "5s"}, "timer": {"accuracy": "1s"}},
@@ -142,6 +147,7 @@ def test_installed_package_runs_a_timer_job_under_the_lock_and_removal_disarms_i
     assert node.exec("test", "-e", "/opt/consulrun", check=False).returncode == 1
     assert node.systemctl("is-enabled", "consulrun-tick.timer", check=False).stdout.strip() == "disabled"
     assert node.systemctl("is-active", "consulrun-tick.timer", check=False).stdout.strip() == "inactive"
-    # Nothing enabled or active is left pointing at the missing program.
+    # Nothing enabled or active is left pointing at the missing program; nothing the runs wrote is left in /opt
+    # (the byte code shipped is all a run needed: /opt/consulrun is gone above).
     leftover = node.systemctl("list-units", "--all", "--no-legend", "--plain", "consulrun-*").stdout
     assert [line for line in leftover.splitlines() if " active " in line and ".timer" in line] == []
