@@ -1,0 +1,153 @@
+"""The .deb from scripts/package, installed with dpkg into a booted systemd container that has only the system
+python3 and no way to a registry: `consulrun install` there, the timer fires and the job runs under the lock
+against a real agent, the units verify, and `dpkg -r` leaves no timer that would fire against a missing program.
+
+The container sees this machine's root through an overlay, this checkout included; the checkout is hidden under
+a tmpfs inside it, so everything that runs there comes from the package's /opt/consulrun.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.conftest import REPO, require_tool
+from tests.harness.agents import wait_for
+from tests.harness.netns import Network
+from tests.harness.nspawn import Container
+
+pytestmark = [pytest.mark.systemd, pytest.mark.consul, pytest.mark.slow]
+
+PACKAGED = "/usr/bin/consulrun"
+
+
+def package() -> Path:
+    result = subprocess.run([str(REPO / "scripts" / "package")], capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stderr
+    return Path(result.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def deb(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The package, built once for the module and copied out of dist/ (a rebuild rewrites dist/)."""
+    built = package()
+    copy = tmp_path_factory.mktemp("deb") / built.name
+    copy.write_bytes(built.read_bytes())
+    return copy
+
+
+@pytest.fixture(scope="module")
+def node(consul_bin: str, deb: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Container]:
+    """A booted container with its own Consul dev agent, the checkout hidden, the .deb in /shared."""
+    require_tool("systemd-nspawn")
+    if os.geteuid() != 0:
+        pytest.fail("booting systemd containers needs root", pytrace=False)
+    workdir = tmp_path_factory.mktemp("debnode")
+    network = Network(1, subnet="10.213.95.0/24", tag="k").up()
+    ctr = agent = None
+    try:
+        ctr = Container(f"crk{os.getpid() % 100000}", workdir, netns=network.namespace(0),
+                        binds=[Path(consul_bin).parent]).start()
+        ctr.exec("mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(REPO))  # the checkout and its venv
+        (ctr.shared / deb.name).write_bytes(deb.read_bytes())
+        agent = ctr.spawn(consul_bin, "agent", "-dev", "-node", "debnode", "-client", "127.0.0.1", "-bind",
+                          "127.0.0.1", "-hcl", "disable_update_check = true", log=workdir / "consul.log")
+        wait_for(lambda: "debnode" in ctr.exec(consul_bin, "catalog", "nodes", check=False).stdout.split(), 60,
+                 "the container's Consul agent to elect itself leader")
+        yield ctr
+    finally:
+        if agent:
+            Container.end_spawned(agent)
+        if ctr:
+            ctr.stop()
+        network.down()
+
+
+def test_same_input_gives_the_same_package(deb: Path) -> None:
+    assert package().read_bytes() == deb.read_bytes()
+
+
+def test_package_holds_the_venv_the_command_the_completions_docs_and_rules(deb: Path) -> None:
+    listing = subprocess.run(["dpkg-deb", "-c", str(deb)], capture_output=True, text=True, check=True).stdout
+    paths = {line.split()[5].removeprefix(".") for line in listing.splitlines()}
+    for path in ("/opt/consulrun/bin/consulrun", "/opt/consulrun/pyvenv.cfg", "/usr/bin/consulrun",
+                 "/usr/share/bash-completion/completions/consulrun", "/usr/share/zsh/vendor-completions/_consulrun",
+                 "/usr/share/fish/vendor_completions.d/consulrun.fish", "/usr/share/doc/consulrun/copyright",
+                 "/usr/share/doc/consulrun/examples/jobs.yaml", "/usr/share/doc/consulrun/alerts.md",
+                 "/usr/share/consulrun/prometheus/consulrun-rules.yml"):
+        assert path in paths, path
+    assert "/usr/bin/consulrun -> /opt/consulrun/bin/consulrun" in listing
+    sources = [p for p in paths if p.startswith("/opt/consulrun/lib/") and p.endswith(".py")]
+    uncompiled = [p for p in sources if f"{Path(p).parent}/__pycache__/{Path(p).stem}.cpython-311.pyc" not in paths]
+    assert sources and uncompiled == []
+    assert not [p for p in paths if "/pip/" in p or p.startswith("/opt/consulrun/lib/python3.11/site-packages/pip")]
+    fields = subprocess.run(["dpkg-deb", "-f", str(deb), "Depends"], capture_output=True, text=True).stdout
+    assert fields.strip() == "python3 (>= 3.11), python3 (<< 3.12)"
+
+
+def history(ctr: Container, job: str) -> list[dict]:
+    out = ctr.exec(PACKAGED, "history", "/shared/jobs.yaml", job, "--json").stdout
+    return json.loads(out)["runs"]
+
+
+def test_installed_package_runs_a_timer_job_under_the_lock_and_removal_disarms_its_timer(node: Container,
+                                                                                      deb: Path) -> None:
+    # Nothing of consulrun before the package: not the host's checkout, not a system-wide install, no registry.
+    assert node.exec("test", "-e", "/opt/consulrun", check=False).returncode == 1
+    assert node.exec("python3", "-c", "import consulrun", check=False).returncode == 1
+    offline = node.exec("python3", "-c", "import socket; socket.create_connection(('pypi.org', 443), timeout=5)",
+                        check=False)
+    assert offline.returncode == 1 and ("gaierror" in offline.stderr or "unreachable" in offline.stderr), offline.stderr
+
+    node.exec("dpkg", "-i", f"/shared/{deb.name}")
+    where = node.exec(PACKAGED.replace("bin/consulrun", "bin/env"), "-i", "/opt/consulrun/bin/python", "-c",
+                      "import consulrun, jsonschema; print(consulrun.__file__, jsonschema.__file__)").stdout.split()
+    assert all(path.startswith("/opt/consulrun/lib/python3.11/site-packages/") for path in where), where
+    # bash completion where bash-completion looks, answered by the packaged program.
+    completion = node.exec("bash", "-c", "source /usr/share/bash-completion/completions/consulrun; "
+                           "COMP_WORDS=(consulrun ins); COMP_CWORD=1; _consulrun_completion consulrun; "
+                           "echo \"${COMPREPLY[*]}\"").stdout.split()
+    assert "install" in completion and "run" not in completion, completion
+
+    (node.shared / "jobs.yaml").write_text(yaml.safe_dump({
+        "defaults": {"lock": {"ttl": "10s", "lock_delay": "5s"}, "timer": {"accuracy": "1s"}},
+        "jobs": {"tick": {"command": ["sh", "-c", "echo $CONSULRUN_OCCURRENCE >> /shared/runs"],
+                          "schedule": "*:*:0/2"}}}))
+    result = node.exec(PACKAGED, "install", "/shared/jobs.yaml", "--consulrun-path", PACKAGED, check=False)
+    assert result.returncode == 0, result.stderr
+    service = (node.unit_dir / "consulrun-tick.service").read_text()
+    assert f"ExecStart={PACKAGED} run " in service
+
+    runs = node.shared / "runs"
+    wait_for(lambda: runs.exists() and len(set(runs.read_text().split())) >= 2, 60, "the timer to fire twice")
+    occurrences = runs.read_text().split()
+    assert len(occurrences) == len(set(occurrences))
+    done = [r for r in history(node, "tick") if r.get("exit_status") == 0]
+    # Recorded in Consul by the packaged `consulrun run`, each run under a session of this node's agent.
+    assert done and {r["node"] for r in done} == {"debnode"}, done
+    assert all(r["session"] and r["state"] == "done" for r in done), done
+    assert {r["occurrence"] for r in done} <= set(occurrences), (done, occurrences)
+
+    # With the man pages in the package, verify checks the units' Documentation= too.
+    has_man = node.exec("test", "-e", "/usr/share/man/man1/consulrun.1.gz", check=False).returncode == 0
+    units = [f"/etc/systemd/system/consulrun-tick.{kind}" for kind in ("service", "timer")]
+    verify = node.exec("systemd-analyze", "verify", *([] if has_man else ["--man=no"]), *units, check=False)
+    assert verify.returncode == 0 and verify.stderr == "", verify.stderr
+
+    removed = node.exec("dpkg", "-r", "consulrun", check=False)
+    assert removed.returncode == 0, removed.stderr
+    assert ("consulrun: removed; left in /etc/systemd/system, timers stopped and disabled (they run "
+            "/usr/bin/consulrun): consulrun-tick.service consulrun-tick.timer") in removed.stderr, removed.stderr
+    assert node.exec("test", "-e", "/opt/consulrun", check=False).returncode == 1
+    assert node.systemctl("is-enabled", "consulrun-tick.timer", check=False).stdout.strip() == "disabled"
+    assert node.systemctl("is-active", "consulrun-tick.timer", check=False).stdout.strip() == "inactive"
+    # Nothing enabled or active is left pointing at the missing program; nothing the runs wrote is left in /opt
+    # (the byte code shipped is all a run needed: /opt/consulrun is gone above).
+    leftover = node.systemctl("list-units", "--all", "--no-legend", "--plain", "consulrun-*").stdout
+    assert [line for line in leftover.splitlines() if " active " in line and ".timer" in line] == []
