@@ -49,6 +49,7 @@ def pytest_configure(config: pytest.Config) -> None:
         os.environ["CONSULRUN_TEST_NET_PREFIX"] = f"10.{base + int(worker[2:])}."
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the marks into the scheduling scope
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         module = item.path.stem
