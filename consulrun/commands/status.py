@@ -21,6 +21,7 @@ Exit status (for monitoring checks; the first that applies wins):
   0  all of the above are fine (a bound check in warning does not count:
      Consul keeps such sessions)
   6  nothing to judge: no state under the prefix, or a JOB with none
+  65 a value in Consul is malformed (the line names its key)
   69 Consul unavailable; 77 ACLs hide part of what status must read
 """
 

@@ -26,6 +26,7 @@ from datetime import datetime, timezone
 
 from consulrun import __version__
 from consulrun.consul.client import Client, SessionInvalid, decoded, kv_op
+from consulrun.consul.values import printable
 from consulrun.errors import ConsulrunError, ConsulUnavailable, UsageError
 from consulrun.protocol import testhook
 from consulrun.protocol.fencing import Fencing
@@ -108,9 +109,10 @@ def _systemd_unit() -> str | None:
 
 
 def describe_holder(entry: dict[str, Any]) -> str:
+    """The holder for a log line; its fields come from a value anyone with KV write may have written."""
     value = decoded(entry)
-    node = value.get("node", "?")
-    return f"{node} (pid {value.get('pid', '?')}, since {value.get('started', '?')}, session {entry.get('Session')})"
+    return printable(f"{value.get('node', '?')} (pid {value.get('pid', '?')}, since {value.get('started', '?')}, "
+                     f"session {entry.get('Session')})")
 
 
 class Locker:
@@ -225,7 +227,8 @@ class Locker:
             value = decoded(entry)
             if not entry.get("Session") or value.get("boot_id") != boot_id():  # another machine: cannot tell
                 continue
-            dead = provably_dead(value, self.node_name())
+            # The value says "this machine"; only Consul's record of the session can say it is (procinfo).
+            dead = provably_dead(value, self.node_name(), self.client.session_info(entry["Session"]))
             if dead:
                 log.warning("%s: the holder's session %s lives on but %s; destroying the session", self.spec.job,
                             entry["Session"], dead)

@@ -37,7 +37,7 @@ from consulrun.errors import ConsulrunError, ConsulUnavailable, UsageError
 from consulrun.manifest import calendar
 from consulrun.protocol import pause, testhook, turns
 from consulrun.protocol.lock import Held, LockDelayRetry, Locker, clock, describe_holder, now_iso
-from consulrun.protocol.trigger import fresh as trigger_fresh
+from consulrun.protocol.trigger import fresh as trigger_fresh, read_request
 from consulrun.records import record
 
 TYPE_CHECKING = False  # typing's own flag without importing typing on every run
@@ -112,7 +112,7 @@ class Ledger:
         return Snapshot(record_index=int(record_entry["ModifyIndex"]) if record_entry else 0,
                         record=decoded(record_entry) or None, lock=lock,
                         paused=pause.describe(paused) if pause.in_force(paused) else None,
-                        trigger=decoded(trigger) or None, trigger_index=int(trigger["ModifyIndex"]) if trigger else 0,
+                        trigger=read_request(trigger, self.job), trigger_index=int(trigger["ModifyIndex"]) if trigger else 0,
                         pause_index=int(entries[self.pause_key]["ModifyIndex"]) if self.pause_key in entries else 0)
 
     def await_claim(self, snap: Snapshot, wait_s: float) -> None:

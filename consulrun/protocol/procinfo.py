@@ -67,14 +67,24 @@ def process_start(pid: int) -> int | None:
     return stat[1]
 
 
-def provably_dead(holder: dict[str, Any], local_node: str | None) -> str | None:
+def provably_dead(holder: dict[str, Any], local_node: str | None, session: dict[str, Any] | None) -> str | None:
     """Why the holder's wrapper is certainly dead, or None if that cannot be proven from here.
+
+    `holder` is the lock's value, which anyone with KV write can rewrite while
+    Consul keeps the key's session; `session` is Consul's own record of that
+    session (/v1/session/info), whose `Node` only Consul can say. The value is
+    believed only where it agrees with it: the session's node is this node,
+    and the value names this node and that session. Otherwise a forged value
+    naming this node and a dead pid would make this node destroy the session
+    of a live holder elsewhere.
 
     Absence is proven by the kernel (kill(pid, 0) answering "no such process"),
     never by /proc alone, which hides other users' processes under hidepid=2.
     """
     pid, started, booted = holder.get("pid"), holder.get("pid_start"), holder.get("boot_id")
     if local_node is None or holder.get("node") != local_node or not isinstance(pid, int) or pid <= 0:
+        return None
+    if not session or session.get("Node") != local_node or holder.get("session") != session.get("ID"):
         return None
     if not isinstance(started, int) or not booted or booted != boot_id():
         return None

@@ -86,13 +86,16 @@ def iso(when: datetime | None) -> str | None:
 
 
 def session_health(client: Client, session_id: str,
-                   node_checks: Callable[[str], list[dict[str, Any]]] | None = None) -> tuple[bool, str]:
+                   node_checks: Callable[[str], list[dict[str, Any]]] | None = None,
+                   info: dict[str, Any] | None | bool = False) -> tuple[bool, str]:
     """(healthy, why), as Consul judges it: a session lives until it is destroyed or a bound check is critical.
 
     A check in `warning` does not invalidate a session, so it leaves the
-    holder healthy (the reason says so).
+    holder healthy (the reason says so). `info`: the session as already read
+    (None: it does not exist); read here if not given.
     """
-    info = client.session_visible(session_id)
+    if info is False:
+        info = client.session_visible(session_id)
     if not info:
         return False, "session no longer exists"
     bound = set(info.get("NodeChecks") or []) | {c.get("ID") for c in info.get("ServiceChecks") or []}
@@ -128,15 +131,18 @@ class HolderJudge:
         return self._node  # type: ignore[return-value]
 
     def holder(self, entry: dict[str, Any]) -> dict[str, Any]:
+        """The holder of `entry`'s lock: its node as Consul's session says (the value may be rewritten by anyone
+        with KV write), and the value's pid judged only where it agrees with that session (procinfo)."""
         value = decoded(entry)
-        healthy, why = session_health(self.client, entry["Session"], self.node_checks)
+        info = self.client.session_visible(entry["Session"])
+        healthy, why = session_health(self.client, entry["Session"], self.node_checks, info=info)
         if healthy and value.get("boot_id") and value.get("boot_id") == procinfo.boot_id():
-            dead = procinfo.provably_dead(value, self.local_node())
+            dead = procinfo.provably_dead(value, self.local_node(), info)
             if dead:
                 healthy, why = False, dead
-        return {"key": entry["Key"], "node": value.get("node"), "since": value.get("started"),
-                "session": entry["Session"], "pid": value.get("pid"), "unit": value.get("unit"),
-                "healthy": healthy, "health": why}
+        return {"key": entry["Key"], "node": (info or {}).get("Node") or value.get("node"),
+                "since": value.get("started"), "session": entry["Session"], "pid": value.get("pid"),
+                "unit": value.get("unit"), "healthy": healthy, "health": why}
 
 
 def _jobs_from_entries(base: str, entries: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, Any]]]:
@@ -351,8 +357,8 @@ def as_json(prefix: str, statuses: list[JobStatus], health: Health, now: datetim
         for s in statuses]}
 
 
-ERROR_VERDICTS = {2: "usage_error", 6: "no_state", 69: "consul_unavailable", 70: "unexpected_answer",
-                  77: "permission_denied"}
+ERROR_VERDICTS = {2: "usage_error", 6: "no_state", 65: "malformed_value", 69: "consul_unavailable",
+                  70: "unexpected_answer", 77: "permission_denied"}
 
 
 def error_json(prefix: str, exc: ConsulrunError, now: datetime) -> dict[str, Any]:

@@ -1,0 +1,138 @@
+"""Hostile values in Consul (issue 28): what a holder of KV write under the prefix can and cannot make us do.
+
+Every value here is written with a plain KV PUT, as anyone holding a node's
+token can: a rewritten lock value, records in the future, values that are not
+what consulrun writes, text with control characters. Each test talks to the
+real dev agent.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+from collections.abc import Iterator
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+from typing import Any
+
+import pytest
+import requests
+
+from consulrun.manifest import calendar
+from consulrun.protocol import procinfo
+from tests.harness.agents import Agent, free_port, wait_for
+from tests.test_run import consulrun, finish, kv_json, lock_entry
+
+pytestmark = pytest.mark.consul
+SKIP = 42
+
+
+def put(agent: Agent, key: str, value: Any, **params: str) -> bool:
+    data = value if isinstance(value, (str, bytes)) else json.dumps(value)
+    return agent.api("PUT", f"kv/{key}", data=data, params=params).json()
+
+
+def run(*args: str, env: dict[str, str] | None = None) -> tuple[int, str, str]:
+    return finish(consulrun(*args, env=env))
+
+
+def one_error_line(err: str, *words: str) -> None:
+    """stderr is one `Error: ...` line holding `words`, and no traceback."""
+    lines = [line for line in err.splitlines() if line.startswith("Error: ")]
+    assert len(lines) == 1 and "Traceback" not in err, err[-3000:]
+    assert all(word in lines[0] for word in words), lines
+
+
+def iso(when: datetime) -> str:
+    return when.astimezone(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+# --- 1. A rewritten lock value ----------------------------------------------------------------------------
+
+
+@pytest.fixture
+def other_node(consul: Agent) -> Iterator[str]:
+    """A second node in the catalog (`sr2`) with a passing serfHealth, so a session can live there."""
+    consul.api("PUT", "catalog/register", json={
+        "Node": "sr2", "Address": "127.0.0.2",
+        "Check": {"CheckID": "serfHealth", "Name": "Serf Health Status", "Status": "passing"}})
+    yield "sr2"
+    consul.api("PUT", "catalog/deregister", json={"Node": "sr2"})
+
+
+def test_a_rewritten_lock_value_never_makes_this_node_destroy_another_nodes_live_session(
+        consul: Agent, other_node: str) -> None:
+    sid = consul.api("PUT", "session/create", json={"Node": other_node, "Name": "consulrun:j5@sr2", "TTL": "600s",
+                                                     "LockDelay": "1ms", "NodeChecks": ["serfHealth"]}).json()["ID"]
+    holder = {"job": "j5", "node": other_node, "pid": 4242, "pid_start": 7, "boot_id": "sr2-boot", "session": sid,
+              "started": iso(datetime.now(timezone.utc))}
+    assert put(consul, "consulrun/j5/lock", holder, acquire=sid)
+    # A plain PUT (no acquire): Consul keeps the key's session, the value now names this node and a dead pid.
+    forged = {"node": consul.name, "pid": 4999999, "pid_start": 1, "boot_id": procinfo.boot_id(), "session": sid,
+              "started": holder["started"]}
+    assert put(consul, "consulrun/j5/lock", forged)
+    assert lock_entry(consul, "consulrun/j5/lock")["Session"] == sid
+
+    code, _, err = run("reap", "j5")
+    assert code == 0 and "destroying the session" not in err, err
+    assert consul.get(f"session/info/{sid}"), "reap destroyed a live holder's session on another node"
+    code, _, err = run("run", "--skip-exit-code", str(SKIP), "j5", "--", "true")
+    assert code == SKIP and "held by" in err, err
+    assert consul.get(f"session/info/{sid}"), "a run destroyed a live holder's session on another node"
+
+    code, out, _ = run("status", "--json", "j5")
+    held = json.loads(out)["jobs"][0]["holders"][0]
+    assert (code, held["healthy"], held["node"]) == (0, True, other_node), out  # the session's node, not the value's
+    code, _, err = run("unlock", "j5", "--yes")
+    assert code == 1 and "healthy" in err and consul.get(f"session/info/{sid}"), err
+
+
+# --- 3. Values consulrun never writes ----------------------------------------------------------------------
+
+DEEP = "[" * 100_000 + "]" * 100_000
+NOW = iso(datetime.now(timezone.utc))
+
+
+@pytest.mark.parametrize("key, value, field", [
+    ("occurrence", DEEP, "nests deeper"),
+    ("occurrence", {"occurrence": 5}, "'occurrence'"),
+    ("occurrence", {"occurrence": "2026-01-01T00:00:00Z", "state": "running", "session": [1]}, "'session'"),
+    ("occurrence", "[1, 2]", "not an object"),
+    ("occurrence", "{not json", "not JSON"),
+    ("lock", DEEP, "nests deeper"),
+    ("history/2026-01-01T00:00:00Z", {"occurrence": "2026-01-01T00:00:00Z", "started": 5, "state": "done"},
+     "'started'"),
+    ("history/2026-01-01T00:00:00Z", {"occurrence": "2026-01-01T00:00:00Z", "earlier": [{"attempt": "one"}]},
+     "'earlier[0].attempt'"),
+])
+def test_a_value_consulrun_never_writes_is_one_line_and_exit_65_in_every_reader(
+        consul: Agent, key: str, value: Any, field: str) -> None:
+    put(consul, f"consulrun/j1/{key}", value)
+    readers = [["history", "j1"], ["exporter", "--textfile", "-"]]
+    if not key.startswith("history/"):  # status judges the record and the lock, not the history
+        readers += [["status"], ["status", "j1"], ["status", "--json"]]
+    if key == "occurrence":  # the run path reads the record (and a lock's value only while a session holds it)
+        readers.append(["run", "--schedule", "*-*-* *:*:00", "j1", "--", "true"])
+    for args in readers:
+        code, out, err = run(*args)
+        assert code == 65, (args, code, out, err[-2000:])
+        one_error_line(err, f"consulrun/j1/{key}", field)
+        if "--json" in args:
+            data = json.loads(out)
+            assert (data["verdict"], data["exit_status"], data["jobs"]) == ("malformed_value", 65, None), out
+
+
+def test_a_trigger_without_a_zone_is_ignored_and_the_scheduled_skip_still_skips(consul: Agent) -> None:
+    spec = "*-*-* *:*:00"
+    occurrence = calendar.occurrence_id(calendar.previous([spec], datetime.now(timezone.utc)))
+    put(consul, "consulrun/j1/occurrence", {"occurrence": occurrence, "state": "done", "exit_status": 0,
+                                            "node": "elsewhere"})
+    naive = datetime.now(timezone.utc).replace(tzinfo=None).isoformat(timespec="seconds")
+    trigger = {"id": "0b7f1f3e-5a2c-4a43-9d2a-1f5c1c9b8e11", "by": "mallory@x", "at": naive, "node": consul.name}
+    put(consul, "consulrun/j1/trigger", trigger)
+    code, _, err = run("run", "--skip-exit-code", str(SKIP), "--schedule", spec, "j1", "--", "true")
+    assert code == SKIP and "already ran" in err and "Traceback" not in err, err
+    assert "ignoring the trigger request" in err and "zone" in err, err
+    assert kv_json(consul, "consulrun/j1/trigger") == trigger  # not consumed
