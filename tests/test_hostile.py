@@ -136,3 +136,36 @@ def test_a_trigger_without_a_zone_is_ignored_and_the_scheduled_skip_still_skips(
     assert code == SKIP and "already ran" in err and "Traceback" not in err, err
     assert "ignoring the trigger request" in err and "zone" in err, err
     assert kv_json(consul, "consulrun/j1/trigger") == trigger  # not consumed
+
+
+# --- 2. A record in the future ------------------------------------------------------------------------------
+
+
+def test_a_record_in_the_future_is_a_problem_everywhere_and_runs_do_not_obey_it(consul: Agent, tmp_path: Path) -> None:
+    spec = "*-*-* *:*:00"
+    manifest = tmp_path / "jobs.yaml"
+    manifest.write_text(f"health_checks: true\njobs:\n  j1: {{command: 'true', schedule: '{spec}'}}\n")
+    put(consul, "consulrun/j1/occurrence", {"occurrence": "9999-12-31T23:59:00Z", "state": "done", "exit_status": 0,
+                                            "node": "sr1", "schedule": [spec]})
+    ran = tmp_path / "ran"
+    code, _, err = run("run", "--schedule", spec, "j1", "--", "touch", str(ran))
+    assert code == 65 and not ran.exists(), err
+    one_error_line(err, "consulrun/j1/occurrence", "9999-12-31T23:59:00Z", "not obeyed")
+    assert "is already claimed" not in err
+
+    for args in (["status", "--grace", "0s", "--json"], ["status", "--grace", "0s", "--json", str(manifest)]):
+        code, out, _ = run(*args)
+        job = json.loads(out)["jobs"][0]
+        assert code == 3 and job["verdict"] == "missed" and [p["kind"] for p in job["problems"]] == ["future"], out
+    code, out, _ = run("status", str(manifest))
+    assert code == 3 and "j1: future: " in out, out
+
+    code, out, err = run("exporter", "--textfile", "-", str(manifest))
+    assert code == 0, err
+    assert 'consulrun_job_state{job_name="j1",state="future"} 1.0' in out and \
+        'consulrun_job_health{job_name="j1"} 3.0' in out, out
+
+    code, _, err = run("watchdog", str(manifest))
+    assert code == 0, err
+    check = next(c for c in consul.get("health/node/consulrun") if c["CheckID"] == "job:j1")
+    assert check["Status"] == "critical" and "future" in check["Output"], check

@@ -30,10 +30,10 @@ from __future__ import annotations
 
 import logging
 import time
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 
 from consulrun.consul.client import Client, decoded, kv_op
-from consulrun.errors import ConsulrunError, ConsulUnavailable, UsageError
+from consulrun.errors import ConsulrunError, ConsulUnavailable, MalformedValue, UsageError
 from consulrun.manifest import calendar
 from consulrun.protocol import pause, testhook, turns
 from consulrun.protocol.lock import Held, LockDelayRetry, Locker, clock, describe_holder, now_iso
@@ -47,6 +47,21 @@ if TYPE_CHECKING:
 log = logging.getLogger("consulrun")
 
 FAILED_STATES = ("lost", "abandoned")
+# How far ahead of this node another node's clock may be: a record later than the next occurrence plus this
+# cannot have been claimed by a node whose clock agrees with ours (see Ledger.verdict).
+ALLOWED_SKEW_S = 300.0
+
+
+def future_limit(next_when: datetime | None, now: datetime | None = None) -> str:
+    """The latest occurrence a record may name: the next one (else now) plus the allowed skew, as an id."""
+    base = next_when or now or datetime.now(timezone.utc)
+    return calendar.occurrence_id(base + timedelta(seconds=ALLOWED_SKEW_S))
+
+
+def future_text(occurrence: str, limit: str) -> str:
+    return (f"the record claims occurrence {occurrence}, later than the next occurrence plus the allowed clock "
+            f"skew ({limit}): a forged record or a clock far ahead; not obeyed (nothing runs until it is removed or "
+            "the clocks agree)")
 
 
 @record
@@ -135,14 +150,25 @@ class Ledger:
     def manual_finish_ops(self, claim: dict[str, Any], outcome: dict[str, Any], state: str) -> list[dict[str, Any]]:
         return [kv_op("set", self.manual_key(claim), {**claim, **outcome, "state": state})]
 
-    @staticmethod
-    def verdict(snap: Snapshot, occ: Occurrence) -> str:
+    def verdict(self, snap: Snapshot, occ: Occurrence) -> str:
         """'free' (nobody has it), 'done', 'running', 'dead' (running, but its runner lost the lock),
-        'failed' (recorded lost or abandoned), or 'later' (a newer occurrence is claimed)."""
+        'failed' (recorded lost or abandoned), or 'later' (a newer occurrence is claimed).
+
+        A record later than this node's next occurrence plus the allowed clock
+        skew was claimed by no node whose clock agrees with ours: a forged
+        record (anyone with KV write can put one there), or a clock far ahead.
+        Obeying it would skip every occurrence until then; claiming over it
+        could run an occurrence twice if it is our clock that is behind. So
+        it is refused, loudly (MalformedValue, exit 65): nothing runs, and
+        `status`, the exporter and the watchdog report it.
+        """
         record = snap.record
         if record is None or record.get("occurrence", "") < occ.id:
             return "free"
         if record["occurrence"] > occ.id:
+            limit = future_limit(occ.next_when)
+            if record["occurrence"] > limit:
+                raise MalformedValue(self.record_key, future_text(record["occurrence"], limit))
             return "later"
         state = record.get("state")
         if state == "done":

@@ -22,6 +22,7 @@ from consulrun.errors import ConsulrunError, PermissionDenied
 from consulrun.manifest import calendar
 from consulrun.protocol import procinfo
 from consulrun.protocol.health import LAST_FIELDS
+from consulrun.protocol.occurrence import future_limit, future_text
 from consulrun.protocol.pause import in_force as pause_in_force, since as pause_skips, value_of as pause_value_of
 from consulrun.protocol.turns import TURN_MAX_S
 from consulrun.timefmt import parse_time, seconds_between
@@ -46,7 +47,9 @@ class Health(enum.IntEnum):
 
 # Most urgent first: a stuck lock explains a missed run, a missed run matters more than a slow one.
 SEVERITY = [Health.HOLDER_UNHEALTHY, Health.MISSED, Health.OVERDUE, Health.LAST_RUN_FAILED]
-PROBLEM_HEALTH = {"unhealthy": Health.HOLDER_UNHEALTHY, "missed": Health.MISSED, "overdue": Health.OVERDUE,
+# A record in the future ("future") stops every run until it is removed: as good as missed.
+PROBLEM_HEALTH = {"unhealthy": Health.HOLDER_UNHEALTHY, "missed": Health.MISSED, "future": Health.MISSED,
+                  "overdue": Health.OVERDUE,
                   "failed": Health.LAST_RUN_FAILED, "lost": Health.LAST_RUN_FAILED,
                   "abandoned": Health.LAST_RUN_FAILED}
 
@@ -204,6 +207,11 @@ def _judge_record(status: JobStatus, record: dict[str, Any], expect: Expectation
     elif record.get("exit_status") not in (None, 0):
         status.problem("failed", f"last run on {record.get('node') or '?'} exited {record['exit_status']}",
                        occurrence=record.get("occurrence"))
+    if record.get("occurrence"):  # a record "in the future" is a finding, not an order (runs refuse it)
+        following = calendar.following(list(expect.schedules), now) if expect and expect.schedules else None
+        limit = future_limit(following, now)
+        if record["occurrence"] > limit:
+            status.problem("future", future_text(record["occurrence"], limit), occurrence=record["occurrence"])
     if expect is None:
         return
     started = parse_time(record.get("started"))

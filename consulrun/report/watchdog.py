@@ -28,7 +28,7 @@ log = logging.getLogger("consulrun")
 
 _RANK = {PASSING: 0, WARNING: 1, CRITICAL: 2}
 # Problems only a clock (the watchdog) sees; a record's own failure is in its summary already.
-CLOCK_PROBLEMS = ("missed", "overdue", "unhealthy")
+CLOCK_PROBLEMS = ("missed", "future", "overdue", "unhealthy")
 
 
 def _clock_text(problem: dict[str, Any]) -> str:
