@@ -169,3 +169,70 @@ def test_a_record_in_the_future_is_a_problem_everywhere_and_runs_do_not_obey_it(
     assert code == 0, err
     check = next(c for c in consul.get("health/node/consulrun") if c["CheckID"] == "job:j1")
     assert check["Status"] == "critical" and "future" in check["Output"], check
+
+
+# --- 14. The exporter under idle connections ----------------------------------------------------------------
+
+
+@pytest.fixture
+def listening_exporter(consul: Agent) -> Iterator[tuple[str, subprocess.Popen[str]]]:
+    address = f"127.0.0.1:{free_port()}"
+    proc = consulrun("exporter", "--listen", address)
+    try:
+        wait_for(lambda: requests.get(f"http://{address}/metrics", timeout=2).ok, 30, "the exporter to serve")
+        yield address, proc
+    finally:
+        proc.terminate()
+        proc.communicate(timeout=20)
+
+
+def test_idle_half_sent_connections_are_bounded_and_timed_out_and_metrics_keeps_answering(
+        listening_exporter: tuple[str, subprocess.Popen[str]]) -> None:
+    address, proc = listening_exporter
+    host, port = address.rsplit(":", 1)
+    idle = []
+    try:
+        for _ in range(300):
+            sock = socket.create_connection((host, int(port)), timeout=5)
+            sock.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n")  # never the blank line that ends the request
+            idle.append(sock)
+        for _ in range(5):
+            answer = requests.get(f"http://{address}/metrics", timeout=5)
+            assert answer.ok and "consulrun_exporter_consul_up 1.0" in answer.text
+        threads = len(os.listdir(f"/proc/{proc.pid}/task"))
+        assert threads <= 8, f"{threads} threads for 300 idle connections"
+
+        def closed_by_the_exporter() -> int:
+            count = 0
+            for sock in idle:
+                sock.setblocking(False)
+                try:
+                    count += sock.recv(1) == b""
+                except BlockingIOError:
+                    pass
+                except OSError:  # reset: closed too
+                    count += 1
+            return count
+        # The newest are kept up to the bound, the rest closed at once; then every one when its deadline passes.
+        wait_for(lambda: closed_by_the_exporter() >= 300 - 64, 10, "the exporter to close connections over its bound")
+        wait_for(lambda: closed_by_the_exporter() == 300, 40, "the exporter to time out idle connections")
+    finally:
+        for sock in idle:
+            sock.close()
+
+
+def test_a_malformed_value_does_not_stop_the_exporter_which_says_so(
+        consul: Agent, listening_exporter: tuple[str, subprocess.Popen[str]]) -> None:
+    address, proc = listening_exporter
+    put(consul, "consulrun/j1/occurrence", DEEP)
+
+    def reported() -> bool:
+        text = requests.get(f"http://{address}/metrics", timeout=5).text
+        return "consulrun_exporter_malformed_value 1.0" in text and "consulrun_exporter_consul_up 0.0" in text
+    wait_for(reported, 30, "the exporter to report the malformed value")
+    consul.api("DELETE", "kv/consulrun/j1/occurrence")
+    put(consul, "consulrun/j1/occurrence", {"occurrence": "2026-01-01T00:00:00Z", "state": "done", "exit_status": 0})
+    wait_for(lambda: "consulrun_exporter_malformed_value 0.0" in requests.get(f"http://{address}/metrics",
+                                                                              timeout=5).text,
+             60, "the exporter to recover")
+    assert proc.poll() is None

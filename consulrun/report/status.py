@@ -88,21 +88,14 @@ def iso(when: datetime | None) -> str | None:
     return when.astimezone(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ") if when else None
 
 
-def session_health(client: Client, session_id: str,
-                   node_checks: Callable[[str], list[dict[str, Any]]] | None = None,
-                   info: dict[str, Any] | None | bool = False) -> tuple[bool, str]:
-    """(healthy, why), as Consul judges it: a session lives until it is destroyed or a bound check is critical.
-
-    A check in `warning` does not invalidate a session, so it leaves the
-    holder healthy (the reason says so). `info`: the session as already read
-    (None: it does not exist); read here if not given.
-    """
-    if info is False:
-        info = client.session_visible(session_id)
+def session_health(info: dict[str, Any] | None, node_checks: Callable[[str], list[dict[str, Any]]]) -> tuple[bool, str]:
+    """(healthy, why) of a session (`info`, None if gone), as Consul judges it: a session lives until it is
+    destroyed or a bound check is critical. A check in `warning` does not invalidate a session, so it leaves the
+    holder healthy (the reason says so)."""
     if not info:
         return False, "session no longer exists"
     bound = set(info.get("NodeChecks") or []) | {c.get("ID") for c in info.get("ServiceChecks") or []}
-    checks = {c["CheckID"]: c["Status"] for c in (node_checks or client.node_checks)(info["Node"])}
+    checks = {c["CheckID"]: c["Status"] for c in node_checks(info["Node"])}
     critical = sorted(cid for cid in bound if checks.get(cid, "critical") == "critical")
     if critical:
         return False, f"check(s) critical or gone on {info['Node']}: {', '.join(critical)}"
@@ -138,7 +131,7 @@ class HolderJudge:
         with KV write), and the value's pid judged only where it agrees with that session (procinfo)."""
         value = decoded(entry)
         info = self.client.session_visible(entry["Session"])
-        healthy, why = session_health(self.client, entry["Session"], self.node_checks, info=info)
+        healthy, why = session_health(info, self.node_checks)
         if healthy and value.get("boot_id") and value.get("boot_id") == procinfo.boot_id():
             dead = procinfo.provably_dead(value, self.local_node(), info)
             if dead:
@@ -263,8 +256,6 @@ def _record_of(keys: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
             # end. Judged as an occurrence record saying "running" whose session is gone: abandoned.
             runs.append({**{k: value.get(k) for k in ("node", "started", "session")}, "state": "running"})
     return max(runs, key=lambda r: str(r.get("started") or "")) if runs else None  # the newest of the slots
-
-
 
 
 def judge_job(name: str, keys: dict[str, dict[str, Any]], manifest: Manifest | None, judge: HolderJudge,
