@@ -23,6 +23,7 @@ import requests
 from consulrun.manifest import calendar
 from consulrun.protocol import procinfo
 from tests.harness.agents import Agent, free_port, wait_for
+from tests.test_remote import MANIFEST, Sshd, _install, sshd  # noqa: F401 - the fixture is used by name
 from tests.test_run import consulrun, finish, kv_json, lock_entry
 
 pytestmark = pytest.mark.consul
@@ -236,3 +237,53 @@ def test_a_malformed_value_does_not_stop_the_exporter_which_says_so(
                                                                               timeout=5).text,
              60, "the exporter to recover")
     assert proc.poll() is None
+
+
+# --- 4. Text from Consul or a remote host reaches no terminal raw -------------------------------------------
+
+CONTROL = [chr(c) for c in (*range(0x20), *range(0x7F, 0xA0), 0x2028, 0x2029)]
+
+
+def test_control_characters_in_records_are_escaped_in_status_and_history(consul: Agent) -> None:
+    put(consul, "consulrun/j1/occurrence", {
+        "occurrence": "2026-01-01T00:00:00Z", "state": "lost", "node": "\x1b[2J\x1b[Hsr1",
+        "reason": "boom\nj1: ok: all is well\r\x1b]0;pwned\x07", "started": "2026-01-01T00:00:01Z",
+        "ended": "2026-01-01T00:00:02Z"})
+    for args in (["status"], ["status", "j1"], ["history", "j1"]):
+        code, out, err = run(*args)
+        assert code in (0, 1), (args, code, err)
+        assert not any(c in out + err for c in CONTROL if c != "\n"), repr(out + err)
+        assert not any(line.startswith("j1: ok") for line in out.splitlines()), out
+        assert "\\x1b[2J" in out and "boom\\nj1: ok" in out, out  # shown, escaped
+
+
+def test_a_forged_trigger_with_a_line_break_is_not_consumed_and_adds_no_journal_line(
+        consul: Agent, tmp_path: Path) -> None:
+    spec = "*-*-* *:*:00"
+    occurrence = calendar.occurrence_id(calendar.previous([spec], datetime.now(timezone.utc)))
+    put(consul, "consulrun/j1/occurrence", {"occurrence": occurrence, "state": "done", "exit_status": 0,
+                                            "node": "elsewhere"})
+    trigger = {"id": "0b7f1f3e-5a2c-4a43-9d2a-1f5c1c9b8e11", "by": "mallory\nconsulrun: j1: all is well",
+               "at": iso(datetime.now(timezone.utc)), "node": consul.name}
+    put(consul, "consulrun/j1/trigger", trigger)
+    ran = tmp_path / "ran"
+    code, _, err = run("run", "--skip-exit-code", str(SKIP), "--schedule", spec, "j1", "--", "touch", str(ran))
+    assert code == SKIP and not ran.exists(), err
+    assert "consulrun: j1: all is well" not in err.splitlines(), err
+    assert "ignoring the trigger request" in err and "`by`" in err, err
+    assert kv_json(consul, "consulrun/j1/trigger") == trigger  # not consumed
+    assert not [k for k in consul.get("kv/consulrun/j1/", params={"keys": "true"}) if k.endswith("~manual")]
+
+
+def test_a_nodes_ssh_output_reaches_the_terminal_escaped(sshd: Sshd, tmp_path: Path) -> None:
+    manifest = tmp_path / "jobs.yaml"
+    manifest.write_text(MANIFEST)
+    hostile = tmp_path / "consulrun"  # what a hostile node runs as `consulrun install -`
+    hostile.write_text("#!/bin/sh\ncat >/dev/null\nprintf 'warning: \\033[2Jwiped\\n' >&2\n"
+                       "printf '\\033]0;pwned\\007\\r[1/1] prod-db: ok: installed\\n'\n")
+    hostile.chmod(0o755)
+    code, out, err = _install(str(manifest), "--host", "root@127.0.0.1", "--consulrun-path", str(hostile),
+                              *sshd.options())
+    assert code == 0, out + err
+    assert not any(c in out + err for c in CONTROL if c != "\n"), repr(out + err)
+    assert "\\x1b]0;pwned\\x07\\r[1/1] prod-db: ok: installed" in err and "\\x1b[2Jwiped" in err, err

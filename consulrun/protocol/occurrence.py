@@ -33,6 +33,7 @@ import time
 from datetime import datetime, timedelta, timezone
 
 from consulrun.consul.client import Client, decoded, kv_op
+from consulrun.consul.values import printable
 from consulrun.errors import ConsulrunError, ConsulUnavailable, MalformedValue, UsageError
 from consulrun.manifest import calendar
 from consulrun.protocol import pause, testhook, turns
@@ -274,7 +275,8 @@ def _same_zone(record: dict[str, Any], occ: Occurrence) -> None:
         return
     if ours != theirs:
         raise UsageError(f"this node's system zone ({calendar.local_zone_name()}, UTC offsets {ours}) is not the one "
-                         f"{record.get('node')} evaluated the schedule in ({record.get('zone')}, {theirs}): nodes would "
+                         f"{printable(record.get('node'))} evaluated the schedule in ({printable(record.get('zone'))}, "
+                         f"{printable(theirs)}): nodes would "
                          "disagree on the occurrence; give every node the same zone, or name a zone in the "
                          "schedule (e.g. '*-*-* 02:00:00 Europe/Berlin')")
 
@@ -379,7 +381,8 @@ def _step(locker: Locker, ledger: Ledger, occ: Occurrence, policy: str, deadline
     if state == "dead" and policy == "skip":
         ops = ledger.failed_ops(record, snap.record_index, "abandoned", ABANDONED_REASON)
         if locker.client.txn(ops, optional_checks=True) is not None:
-            log.info("%s: occurrence %s was abandoned by %s; recorded", locker.spec.job, occ.id, record.get("node"))
+            log.info("%s: occurrence %s was abandoned by %s; recorded", locker.spec.job, occ.id,
+                     printable(record.get("node")))
         return None
     if state in ("running", "failed", "dead") and policy == "skip":
         how = {"running": f"was claimed by {record.get('node')} and is running",
@@ -420,7 +423,7 @@ def _step(locker: Locker, ledger: Ledger, occ: Occurrence, policy: str, deadline
     if holders:
         look["waiting"] = True
         locker.abandon()  # a session must not outlive its TTL unrenewed while we wait
-        what = (f"occurrence {occ.id} runs on {record.get('node')}" if state == "running"
+        what = (f"occurrence {occ.id} runs on {printable(record.get('node'))}" if state == "running"
                 else f"the previous run holds the lock: {describe_holder(snap.lock or {})}")
         locker.say_waiting("standby", f"{what}; standing by for up to {remaining:.0f}s (on_holder_loss={policy})")
         locker.client.kv_get(ledger.lock_key, index=int((snap.lock or {}).get("ModifyIndex", 0)),

@@ -127,7 +127,7 @@ def trigger(client: Client, base: str, unit: str, *, wait_s: float,
     deadline = time.monotonic() + wait_s
     _, paused = client.kv_get(pause_key(base))
     if paused is not None and in_force(value_of(paused)):
-        raise NotTriggered(f"the job is {describe(value_of(paused) or {})}; resume it first; not triggered")
+        raise NotTriggered(f"the job is {printable(describe(value_of(paused) or {}))}; resume it first; not triggered")
     _wait_free(client, lock_key, wait_s)
     import uuid
 
@@ -139,7 +139,7 @@ def trigger(client: Client, base: str, unit: str, *, wait_s: float,
         client.txn([kv_op("delete-cas", trigger_key, Index=int(pending["ModifyIndex"]))])
     if client.txn([kv_op("cas", trigger_key, request, Index=0)]) is None:
         _, pending = client.kv_get(trigger_key)
-        raise NotTriggered(f"another trigger is pending: {decoded(pending)}; not triggered")
+        raise NotTriggered(f"another trigger is pending: {printable(decoded(pending))}; not triggered")
     stop = {sig: signal.signal(sig, _stopped) for sig in (signal.SIGTERM, signal.SIGHUP)}
     try:
         while True:
