@@ -128,7 +128,8 @@ class Ledger:
         return Snapshot(record_index=int(record_entry["ModifyIndex"]) if record_entry else 0,
                         record=decoded(record_entry) or None, lock=lock,
                         paused=pause.describe(paused) if pause.in_force(paused) else None,
-                        trigger=read_request(trigger, self.job), trigger_index=int(trigger["ModifyIndex"]) if trigger else 0,
+                        trigger=read_request(trigger, self.job),
+                        trigger_index=int(trigger["ModifyIndex"]) if trigger else 0,
                         pause_index=int(entries[self.pause_key]["ModifyIndex"]) if self.pause_key in entries else 0)
 
     def await_claim(self, snap: Snapshot, wait_s: float) -> None:

@@ -108,8 +108,8 @@ class ClusterMetrics:
         self._statuses, self._up, self._refreshed = [], False, time.time()
         self._malformed = isinstance(exc, MalformedValue)
         if not quiet:
-            log.warning("exporter: %s: %s", "a value in Consul is malformed" if self._malformed else "cannot read Consul",
-                        exc.format_message())
+            what = "a value in Consul is malformed" if self._malformed else "cannot read Consul"
+            log.warning("exporter: %s: %s", what, exc.format_message())
 
     def _count_runs(self, job: str, rows: list[dict[str, Any]]) -> set[tuple[Any, ...]]:
         """Count the runs not counted yet; return the keys of all of them."""
