@@ -112,8 +112,10 @@ def test_a_value_consulrun_never_writes_is_one_line_and_exit_65_in_every_reader(
         consul: Agent, key: str, value: Any, field: str) -> None:
     put(consul, f"consulrun/j1/{key}", value)
     readers = [["history", "j1"], ["exporter", "--textfile", "-"]]
-    if not key.startswith("history/"):  # status judges the record and the lock, not the history
-        readers += [["status"], ["status", "j1"], ["status", "--json"]]
+    if not key.startswith("history/"):  # status (and the watchdog) judge the record and the lock, not the history
+        jobs = json.dumps({"j1": {"schedules": ["*-*-* *:*:00"], "accuracy_ms": 1000, "randomized_delay_ms": 0,
+                                  "timeout_ms": None}})
+        readers += [["status"], ["status", "j1"], ["status", "--json"], ["watchdog", "--jobs", jobs]]
     if key == "occurrence":  # the run path reads the record (and a lock's value only while a session holds it)
         readers.append(["run", "--schedule", "*-*-* *:*:00", "j1", "--", "true"])
     for args in readers:

@@ -36,6 +36,9 @@ def _clock_text(problem: dict[str, Any]) -> str:
     if problem["kind"] == "overdue":
         what = f"occurrence {problem['occurrence']}" if problem.get("occurrence") else "a run"
         return f"overdue: {what} has run longer than the job's timeout"
+    if problem["kind"] == "future":  # its detail names a limit that moves with the clock
+        return (f"future: the occurrence record claims {problem['occurrence']}, later than the next occurrence plus "
+                "the allowed clock skew; runs refuse it until it is removed")
     return f"{problem['kind']}: {problem['detail']}"
 
 
