@@ -90,6 +90,27 @@ def test_a_rewritten_lock_value_never_makes_this_node_destroy_another_nodes_live
     assert code == 1 and "healthy" in err and consul.get(f"session/info/{sid}"), err
 
 
+def test_a_rewritten_pid_never_makes_the_holders_own_node_destroy_its_live_session(
+        consul: Agent, tmp_path: Path) -> None:
+    started, go = tmp_path / "started", tmp_path / "go"
+    holder = consulrun("run", "j6", "--", "sh", "-c", f"touch {started}; while [ ! -e {go} ]; do sleep 0.1; done")
+    try:
+        wait_for(started.exists, 30, "the holder's job")
+        entry = lock_entry(consul, "consulrun/j6/lock")
+        value = kv_json(consul, "consulrun/j6/lock")
+        assert put(consul, "consulrun/j6/lock", {**value, "pid": 4999999, "pid_start": 1})  # same node, a dead pid
+        assert lock_entry(consul, "consulrun/j6/lock")["Session"] == entry["Session"]
+        code, _, err = run("reap", "j6")
+        assert code == 0 and "destroying the session" not in err, err
+        code, out, _ = run("status", "--json", "j6")
+        assert code == 0 and json.loads(out)["jobs"][0]["holders"][0]["healthy"] is True, out
+        assert consul.get(f"session/info/{entry['Session']}") and holder.poll() is None
+    finally:
+        go.touch()
+    code, _, err = finish(holder)
+    assert code == 0 and "lock lost" not in err, err
+
+
 # --- 3. Values consulrun never writes ----------------------------------------------------------------------
 
 DEEP = "[" * 100_000 + "]" * 100_000

@@ -30,7 +30,14 @@ from consulrun.consul.values import printable
 from consulrun.errors import ConsulrunError, ConsulUnavailable, UsageError
 from consulrun.protocol import testhook
 from consulrun.protocol.fencing import Fencing
-from consulrun.protocol.procinfo import boot_id, pid_namespace, process_start, provably_dead, time_namespace
+from consulrun.protocol.procinfo import (
+    boot_id,
+    hold_marker,
+    pid_namespace,
+    process_start,
+    provably_dead,
+    time_namespace,
+)
 from consulrun.records import record
 
 TYPE_CHECKING = False  # typing's own flag without importing typing on every run
@@ -133,6 +140,7 @@ class Locker:
         self.node: str | None = None
         self._renewed_at = 0.0
         self._said_at: dict[str, float] = {}
+        self._marks: dict[str, socket.socket | None] = {}  # sessions that have held a lock here, and their marks
 
     def say_waiting(self, topic: str, text: str, every_s: float = 60.0) -> None:
         """Log a waiting line when a wait of this kind starts, then at most every `every_s` while it goes on."""
@@ -332,6 +340,8 @@ class Locker:
         idx, entry, sent = self._read_again(key)
         if not entry or entry.get("Session") != self.session:
             return None
+        if self.session not in self._marks:
+            self._marks[self.session] = hold_marker(self.session)  # kept until this process exits (procinfo)
         return Held(key=key, session=self.session, fencing_token=int(entry["ModifyIndex"]), index=idx,
                     value=value if value is not None else decoded(entry), confirmed_at=sent, results=results or [])
 
