@@ -103,9 +103,8 @@ def _print_report(loaded: "Manifest", *, root: Path | None, unit_dir: Path, dry_
 
 def _install_remote(hosts: list[str], text: str, remote_argv: list[str], ssh_options: list[str], parallel: int,
                     dry_run: bool) -> None:
-    from consulrun.units.remote import HostResult, install_all
-
     from consulrun.consul.values import printable
+    from consulrun.units.remote import HostResult, install_all
 
     # What a node's ssh session printed is the node's to choose: no control character of it reaches the terminal
     # (a title, a cleared screen, a line that looks like another node's `[1/1] ...: ok`).
