@@ -23,6 +23,7 @@ class ExitCode(enum.IntEnum):
     OK = 0
     FAILURE = 1  # a job-independent failure that has no more specific code
     USAGE = 2  # bad command line or manifest (click uses 2 for usage errors too)
+    MALFORMED = 65  # EX_DATAERR: a value in Consul is malformed (or impossible, e.g. a record in the future)
     CONSUL_UNAVAILABLE = 69  # EX_UNAVAILABLE: agent or servers not reachable; job not started
     SOFTWARE = 70  # EX_SOFTWARE: Consul answered something we cannot make sense of
     IO = 74  # EX_IOERR: writing output failed
@@ -83,6 +84,16 @@ class ConsulUnavailable(ConsulrunError):
 
 class ConsulProtocolError(ConsulrunError):
     exit_code = ExitCode.SOFTWARE
+
+
+class MalformedValue(ConsulrunError):
+    """A value read from Consul is not what consulrun writes there (anyone with KV write may have written it)."""
+
+    exit_code = ExitCode.MALFORMED
+
+    def __init__(self, key: str, why: str) -> None:
+        super().__init__(f"{key}: {why}")
+        self.key = key
 
 
 class PermissionDenied(ConsulrunError):

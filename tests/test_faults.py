@@ -767,6 +767,7 @@ def test_reap_looks_past_a_slot_held_from_another_machine(consul: Agent) -> None
     for key, value in holders.items():
         sessions[key] = consul.api("PUT", "session/create", json={"Name": "holder", "TTL": "600s",
                                                                   "LockDelay": "0s"}).json()["ID"]
+        value = {**value, "session": sessions[key]}  # as the runner writes it: reap believes only a value naming it
         assert consul.api("PUT", f"kv/{key}", params={"acquire": sessions[key]}, data=json.dumps(value)).json() is True
     code, _, err = finish(consulrun("reap", "--concurrency", "2", "pair"))
     assert code == 0, err

@@ -39,7 +39,9 @@ def history(targets: tuple[str, ...], prefix: str | None, as_json: bool, limit: 
     if as_json:
         click.echo(to_json({"prefix": kv_prefix, "job": jobs[0], "runs": rows}, compact=False))
         return
-    table = past.table(rows, datetime.now(timezone.utc))
+    from consulrun.consul.values import printable
+
+    table = [[printable(cell) for cell in row] for row in past.table(rows, datetime.now(timezone.utc))]
     widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
     for row in table:
         click.echo("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip())

@@ -103,23 +103,27 @@ def _print_report(loaded: "Manifest", *, root: Path | None, unit_dir: Path, dry_
 
 def _install_remote(hosts: list[str], text: str, remote_argv: list[str], ssh_options: list[str], parallel: int,
                     dry_run: bool) -> None:
+    from consulrun.consul.values import printable
     from consulrun.units.remote import HostResult, install_all
 
+    # What a node's ssh session printed is the node's to choose: no control character of it reaches the terminal
+    # (a title, a cleared screen, a line that looks like another node's `[1/1] ...: ok`).
     def progress(result: HostResult, done: int, total: int) -> None:
-        click.echo(f"[{done}/{total}] {result.host}: {'ok' if result.ok else 'FAILED'}: {result.summary}", err=True)
+        click.echo(f"[{done}/{total}] {result.host}: {'ok' if result.ok else 'FAILED'}: {printable(result.summary)}",
+                   err=True)
         for warning in result.warnings:
-            click.echo(f"warning: {result.host}: {warning}", err=True)
+            click.echo(f"warning: {result.host}: {printable(warning)}", err=True)
 
     results = install_all(hosts, text, remote_argv, ssh_options, parallel, timeout_s=300, progress=progress)
     if dry_run:  # each node's own diff and systemctl calls, not only its last line
         for r in results:
             if r.ok:
                 click.echo(f"==> {r.host} <==")
-                click.echo(r.stdout, nl=False)
+                click.echo("".join(printable(line) + "\n" for line in r.stdout.splitlines()), nl=False)
     width = max(len(r.host) for r in results + [HostResult("HOST", True, "")])
     click.echo(f"{'HOST'.ljust(width)}  RESULT  DETAIL")
     for r in results:
-        click.echo(f"{r.host.ljust(width)}  {'ok    ' if r.ok else 'FAILED'}  {r.summary}")
+        click.echo(f"{r.host.ljust(width)}  {'ok    ' if r.ok else 'FAILED'}  {printable(r.summary)}")
     failed = [r.host for r in results if not r.ok]
     if failed:
         raise ConsulrunError(f"install failed on {len(failed)} of {len(results)} node(s): {', '.join(failed)}")

@@ -21,6 +21,7 @@ Exit status (for monitoring checks; the first that applies wins):
   0  all of the above are fine (a bound check in warning does not count:
      Consul keeps such sessions)
   6  nothing to judge: no state under the prefix, or a JOB with none
+  65 a value in Consul is malformed (the line names its key)
   69 Consul unavailable; 77 ACLs hide part of what status must read
 """
 
@@ -76,12 +77,16 @@ def _show_status(kv_prefix: str, statuses: list, health: int, as_json: bool, com
     if as_json:
         click.echo(to_json(state.as_json(kv_prefix, statuses, state.Health(health), now), compact))
         return
-    rows = state.table(statuses, now)
+    from consulrun.consul.values import printable
+
+    # Cells and problem lines quote what anyone with KV write may have written: no control character reaches the
+    # terminal (a record's node must not clear the screen, a reason must not print a line of its own).
+    rows = [[printable(cell) for cell in row] for row in state.table(statuses, now)]
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     for row in rows:
         click.echo("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip())
     for line in state.problem_lines(statuses):
-        click.echo(line)
+        click.echo(printable(line))
 
 
 WATCH_REFRESH_S = 10.0  # redraw at least this often, so relative times and NEXT stay true

@@ -45,10 +45,14 @@ def trigger(targets: tuple[str, ...], wait_ms: int, unit: str | None, host: str 
     outcome = run_trigger(client, f"{kv_prefix}/{job}", unit, wait_s=wait_ms / 1000, start_unit=systemctl_start)
     record = outcome.record
     if record is None:
+        from consulrun.consul.values import printable
+
         raise ConsulrunError(f"{job}: {unit} ran no manual run (systemctl start: {outcome.unit_status}"
-                             + (f", {outcome.unit_output}" if outcome.unit_output else "")
+                             + (f", {printable(outcome.unit_output)}" if outcome.unit_output else "")
                              + "); see journalctl -u " + unit)
     result = (f"exit status {record.get('exit_status')}" if record.get("state") == "done"
               else f"{record.get('state')}: {record.get('reason', '')}")
-    click.echo(f"{job}: manual run on {record.get('node')} started {record.get('started')}: {result}")
+    from consulrun.consul.values import printable
+
+    click.echo(printable(f"{job}: manual run on {record.get('node')} started {record.get('started')}: {result}"))
     sys.exit(0 if record.get("state") == "done" and record.get("exit_status") == 0 else ExitCode.FAILURE)

@@ -28,6 +28,7 @@ def unlock(targets: tuple[str, ...], prefix: str | None, yes: bool, force: bool,
     the lock for the session's lock-delay. Exit 6 if JOB has no state at all.
     """
     from consulrun.consul.client import Client
+    from consulrun.consul.values import printable
     from consulrun.report import status as state
 
     _setup_logging()
@@ -42,6 +43,7 @@ def unlock(targets: tuple[str, ...], prefix: str | None, yes: bool, force: bool,
         click.echo(f"{job} is not locked")
         return
     for holder in holders:
+        holder = {k: printable(v) if isinstance(v, str) else v for k, v in holder.items()}  # text from Consul
         who = f"{holder['node']} (pid {holder['pid']}, since {holder['since']}, session {holder['session']})"
         if holder["healthy"] and not force:
             raise ConsulrunError(f"{job} is held by {who}, which is healthy ({holder['health']}); "

@@ -26,6 +26,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from consulrun.consul import transport
+from consulrun.consul.values import decode
 from consulrun.errors import ConsulProtocolError, ConsulUnavailable, PermissionDenied, UsageError, os_reason
 from consulrun.records import record
 
@@ -178,13 +179,13 @@ def readable(value: dict[str, Any]) -> str:
 
 
 def decoded(entry: dict[str, Any] | None) -> dict[str, Any]:
-    """The JSON object a KV entry holds (the inverse of `readable`); {} if absent, empty or not an object."""
-    raw = (entry or {}).get("Value")
-    try:
-        value = json.loads(raw) if isinstance(raw, (str, bytes)) and raw else {}
-    except ValueError:
-        return {}
-    return value if isinstance(value, dict) else {}
+    """The JSON object a KV entry holds (the inverse of `readable`); {} if absent or empty.
+
+    Anything else is MalformedValue (exit 65) naming the key: every reader of
+    KV values comes through here, and `values` is the one place that says what
+    a value may be.
+    """
+    return decode(entry)
 
 
 def kv_op(verb: str, key: str, value: dict[str, Any] | None = None, **extra: Any) -> dict[str, Any]:

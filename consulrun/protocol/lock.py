@@ -26,10 +26,18 @@ from datetime import datetime, timezone
 
 from consulrun import __version__
 from consulrun.consul.client import Client, SessionInvalid, decoded, kv_op
+from consulrun.consul.values import printable
 from consulrun.errors import ConsulrunError, ConsulUnavailable, UsageError
 from consulrun.protocol import testhook
 from consulrun.protocol.fencing import Fencing
-from consulrun.protocol.procinfo import boot_id, pid_namespace, process_start, provably_dead, time_namespace
+from consulrun.protocol.procinfo import (
+    boot_id,
+    hold_marker,
+    pid_namespace,
+    process_start,
+    provably_dead,
+    time_namespace,
+)
 from consulrun.records import record
 
 TYPE_CHECKING = False  # typing's own flag without importing typing on every run
@@ -108,9 +116,10 @@ def _systemd_unit() -> str | None:
 
 
 def describe_holder(entry: dict[str, Any]) -> str:
+    """The holder for a log line; its fields come from a value anyone with KV write may have written."""
     value = decoded(entry)
-    node = value.get("node", "?")
-    return f"{node} (pid {value.get('pid', '?')}, since {value.get('started', '?')}, session {entry.get('Session')})"
+    return printable(f"{value.get('node', '?')} (pid {value.get('pid', '?')}, since {value.get('started', '?')}, "
+                     f"session {entry.get('Session')})")
 
 
 class Locker:
@@ -131,6 +140,7 @@ class Locker:
         self.node: str | None = None
         self._renewed_at = 0.0
         self._said_at: dict[str, float] = {}
+        self._marks: dict[str, socket.socket | None] = {}  # sessions that have held a lock here, and their marks
 
     def say_waiting(self, topic: str, text: str, every_s: float = 60.0) -> None:
         """Log a waiting line when a wait of this kind starts, then at most every `every_s` while it goes on."""
@@ -225,7 +235,8 @@ class Locker:
             value = decoded(entry)
             if not entry.get("Session") or value.get("boot_id") != boot_id():  # another machine: cannot tell
                 continue
-            dead = provably_dead(value, self.node_name())
+            # The value says "this machine"; only Consul's record of the session can say it is (procinfo).
+            dead = provably_dead(value, self.node_name(), self.client.session_info(entry["Session"]))
             if dead:
                 log.warning("%s: the holder's session %s lives on but %s; destroying the session", self.spec.job,
                             entry["Session"], dead)
@@ -329,6 +340,8 @@ class Locker:
         idx, entry, sent = self._read_again(key)
         if not entry or entry.get("Session") != self.session:
             return None
+        if self.session not in self._marks:
+            self._marks[self.session] = hold_marker(self.session)  # kept until this process exits (procinfo)
         return Held(key=key, session=self.session, fencing_token=int(entry["ModifyIndex"]), index=idx,
                     value=value if value is not None else decoded(entry), confirmed_at=sent, results=results or [])
 

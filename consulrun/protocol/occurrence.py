@@ -30,14 +30,15 @@ from __future__ import annotations
 
 import logging
 import time
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 
 from consulrun.consul.client import Client, decoded, kv_op
-from consulrun.errors import ConsulrunError, ConsulUnavailable, UsageError
+from consulrun.consul.values import printable
+from consulrun.errors import ConsulrunError, ConsulUnavailable, MalformedValue, UsageError
 from consulrun.manifest import calendar
 from consulrun.protocol import pause, testhook, turns
 from consulrun.protocol.lock import Held, LockDelayRetry, Locker, clock, describe_holder, now_iso
-from consulrun.protocol.trigger import fresh as trigger_fresh
+from consulrun.protocol.trigger import fresh as trigger_fresh, read_request
 from consulrun.records import record
 
 TYPE_CHECKING = False  # typing's own flag without importing typing on every run
@@ -47,6 +48,21 @@ if TYPE_CHECKING:
 log = logging.getLogger("consulrun")
 
 FAILED_STATES = ("lost", "abandoned")
+# How far ahead of this node another node's clock may be: a record later than the next occurrence plus this
+# cannot have been claimed by a node whose clock agrees with ours (see Ledger.verdict).
+ALLOWED_SKEW_S = 300.0
+
+
+def future_limit(next_when: datetime | None, now: datetime | None = None) -> str:
+    """The latest occurrence a record may name: the next one (else now) plus the allowed skew, as an id."""
+    base = next_when or now or datetime.now(timezone.utc)
+    return calendar.occurrence_id(base + timedelta(seconds=ALLOWED_SKEW_S))
+
+
+def future_text(occurrence: str, limit: str) -> str:
+    return (f"the record claims occurrence {occurrence}, later than the next occurrence plus the allowed clock "
+            f"skew ({limit}): a forged record or a clock far ahead; not obeyed (nothing runs until it is removed or "
+            "the clocks agree)")
 
 
 @record
@@ -112,7 +128,8 @@ class Ledger:
         return Snapshot(record_index=int(record_entry["ModifyIndex"]) if record_entry else 0,
                         record=decoded(record_entry) or None, lock=lock,
                         paused=pause.describe(paused) if pause.in_force(paused) else None,
-                        trigger=decoded(trigger) or None, trigger_index=int(trigger["ModifyIndex"]) if trigger else 0,
+                        trigger=read_request(trigger, self.job),
+                        trigger_index=int(trigger["ModifyIndex"]) if trigger else 0,
                         pause_index=int(entries[self.pause_key]["ModifyIndex"]) if self.pause_key in entries else 0)
 
     def await_claim(self, snap: Snapshot, wait_s: float) -> None:
@@ -135,14 +152,25 @@ class Ledger:
     def manual_finish_ops(self, claim: dict[str, Any], outcome: dict[str, Any], state: str) -> list[dict[str, Any]]:
         return [kv_op("set", self.manual_key(claim), {**claim, **outcome, "state": state})]
 
-    @staticmethod
-    def verdict(snap: Snapshot, occ: Occurrence) -> str:
+    def verdict(self, snap: Snapshot, occ: Occurrence) -> str:
         """'free' (nobody has it), 'done', 'running', 'dead' (running, but its runner lost the lock),
-        'failed' (recorded lost or abandoned), or 'later' (a newer occurrence is claimed)."""
+        'failed' (recorded lost or abandoned), or 'later' (a newer occurrence is claimed).
+
+        A record later than this node's next occurrence plus the allowed clock
+        skew was claimed by no node whose clock agrees with ours: a forged
+        record (anyone with KV write can put one there), or a clock far ahead.
+        Obeying it would skip every occurrence until then; claiming over it
+        could run an occurrence twice if it is our clock that is behind. So
+        it is refused, loudly (MalformedValue, exit 65): nothing runs, and
+        `status`, the exporter and the watchdog report it.
+        """
         record = snap.record
         if record is None or record.get("occurrence", "") < occ.id:
             return "free"
         if record["occurrence"] > occ.id:
+            limit = future_limit(occ.next_when)
+            if record["occurrence"] > limit:
+                raise MalformedValue(self.record_key, future_text(record["occurrence"], limit))
             return "later"
         state = record.get("state")
         if state == "done":
@@ -248,7 +276,8 @@ def _same_zone(record: dict[str, Any], occ: Occurrence) -> None:
         return
     if ours != theirs:
         raise UsageError(f"this node's system zone ({calendar.local_zone_name()}, UTC offsets {ours}) is not the one "
-                         f"{record.get('node')} evaluated the schedule in ({record.get('zone')}, {theirs}): nodes would "
+                         f"{printable(record.get('node'))} evaluated the schedule in ({printable(record.get('zone'))}, "
+                         f"{printable(theirs)}): nodes would "
                          "disagree on the occurrence; give every node the same zone, or name a zone in the "
                          "schedule (e.g. '*-*-* 02:00:00 Europe/Berlin')")
 
@@ -353,7 +382,8 @@ def _step(locker: Locker, ledger: Ledger, occ: Occurrence, policy: str, deadline
     if state == "dead" and policy == "skip":
         ops = ledger.failed_ops(record, snap.record_index, "abandoned", ABANDONED_REASON)
         if locker.client.txn(ops, optional_checks=True) is not None:
-            log.info("%s: occurrence %s was abandoned by %s; recorded", locker.spec.job, occ.id, record.get("node"))
+            log.info("%s: occurrence %s was abandoned by %s; recorded", locker.spec.job, occ.id,
+                     printable(record.get("node")))
         return None
     if state in ("running", "failed", "dead") and policy == "skip":
         how = {"running": f"was claimed by {record.get('node')} and is running",
@@ -394,7 +424,7 @@ def _step(locker: Locker, ledger: Ledger, occ: Occurrence, policy: str, deadline
     if holders:
         look["waiting"] = True
         locker.abandon()  # a session must not outlive its TTL unrenewed while we wait
-        what = (f"occurrence {occ.id} runs on {record.get('node')}" if state == "running"
+        what = (f"occurrence {occ.id} runs on {printable(record.get('node'))}" if state == "running"
                 else f"the previous run holds the lock: {describe_holder(snap.lock or {})}")
         locker.say_waiting("standby", f"{what}; standing by for up to {remaining:.0f}s (on_holder_loss={policy})")
         locker.client.kv_get(ledger.lock_key, index=int((snap.lock or {}).get("ModifyIndex", 0)),

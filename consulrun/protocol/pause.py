@@ -24,7 +24,7 @@ import socket
 from datetime import datetime, timedelta, timezone
 
 from consulrun.consul.client import Client, decoded, kv_op
-from consulrun.errors import ConsulProtocolError
+from consulrun.errors import ConsulProtocolError, MalformedValue
 from consulrun.timefmt import parse_time
 
 TYPE_CHECKING = False  # typing's own flag without importing typing on every run
@@ -51,7 +51,10 @@ def value_of(entry: dict[str, Any] | None) -> dict[str, Any] | None:
     """The pause key's value; a key someone wrote that is not a readable pause still pauses (fail closed)."""
     if entry is None:
         return None
-    return decoded(entry) or {"reason": "the pause key holds no readable value"}
+    try:
+        return decoded(entry) or {"reason": "the pause key holds no readable value"}
+    except MalformedValue as exc:
+        return {"reason": f"the pause key holds no readable value ({exc.message})"}
 
 
 def in_force(value: dict[str, Any] | None, now: datetime | None = None) -> bool:

@@ -7,11 +7,18 @@ same node, a missing /proc/<pid> or another start time means the wrapper is
 gone, whatever its session still says. A holder value may also name the
 wrapper's pid namespace (`pid_ns`, as /proc/self/ns/pid reads); if it does
 and it is not ours, its pid cannot be looked up here.
+
+All of that is what the lock's value says, and anyone with KV write can
+rewrite it under a live holder. So it is believed only where Consul's own
+record of the session agrees (its `Node` is this node), and a pid it names
+dead counts only if no process here still holds the session's mark.
 """
 
 from __future__ import annotations
 
 import os
+import socket
+import time
 
 TYPE_CHECKING = False  # typing's own flag without importing typing on every run
 if TYPE_CHECKING:
@@ -67,8 +74,16 @@ def process_start(pid: int) -> int | None:
     return stat[1]
 
 
-def provably_dead(holder: dict[str, Any], local_node: str | None) -> str | None:
+def provably_dead(holder: dict[str, Any], local_node: str | None, session: dict[str, Any] | None) -> str | None:
     """Why the holder's wrapper is certainly dead, or None if that cannot be proven from here.
+
+    `holder` is the lock's value, which anyone with KV write can rewrite while
+    Consul keeps the key's session; `session` is Consul's own record of that
+    session (/v1/session/info), whose `Node` only Consul can say. The value is
+    believed only where it agrees with it: the session's node is this node,
+    and the value names this node and that session. Otherwise a forged value
+    naming this node and a dead pid would make this node destroy the session
+    of a live holder elsewhere.
 
     Absence is proven by the kernel (kill(pid, 0) answering "no such process"),
     never by /proc alone, which hides other users' processes under hidepid=2.
@@ -76,11 +91,20 @@ def provably_dead(holder: dict[str, Any], local_node: str | None) -> str | None:
     pid, started, booted = holder.get("pid"), holder.get("pid_start"), holder.get("boot_id")
     if local_node is None or holder.get("node") != local_node or not isinstance(pid, int) or pid <= 0:
         return None
+    if not session or session.get("Node") != local_node or holder.get("session") != session.get("ID"):
+        return None
     if not isinstance(started, int) or not booted or booted != boot_id():
         return None
     for key, ours in (("pid_ns", pid_namespace), ("time_ns", time_namespace)):
         if holder.get(key) and holder[key] != ours():  # another namespace's pid or boot clock
             return None
+    why = _pid_gone(pid, started)
+    if why and marker_held(str(session.get("ID"))):  # the value's pid is forged: the session's wrapper lives here
+        return None
+    return why
+
+
+def _pid_gone(pid: int, started: int) -> str | None:
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -95,3 +119,36 @@ def provably_dead(holder: dict[str, Any], local_node: str | None) -> str | None:
     if stat[1] != started:
         return f"its wrapper process (pid {pid}) on this node has exited; the pid now belongs to another process"
     return None
+
+
+# A holder's mark on this machine that no KV writer can forge: an abstract unix socket named after its session,
+# bound by the wrapper once it holds the lock and gone with it (the kernel closes it when the process dies; a
+# job does not inherit it). A value naming this node and a dead pid, while the session's mark is still bound,
+# was rewritten under a live holder.
+_MARK = "\0consulrun-holder/"
+
+
+def hold_marker(session: str) -> socket.socket | None:
+    """Bind the session's mark; keep the socket for as long as the process may hold the lock. None if it could
+    not be bound (a probe holds it for a moment: tried again a few times; then a forged value goes undetected)."""
+    for _ in range(20):
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.bind(_MARK + session)
+            return sock
+        except OSError:
+            sock.close()
+            time.sleep(0.005)
+    return None
+
+
+def marker_held(session: str) -> bool:
+    """Whether a live process here (in this network namespace) holds the mark of `session`."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.bind(_MARK + session)
+    except OSError:  # in use (a live holder), or any other refusal: either way not provably dead
+        return True
+    finally:
+        sock.close()
+    return False

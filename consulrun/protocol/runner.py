@@ -28,6 +28,7 @@ from datetime import datetime, timezone
 from types import FrameType
 
 from consulrun.consul.client import Client, ConsulConfig
+from consulrun.consul.values import printable
 from consulrun.errors import ConsulrunError, ConsulUnavailable, ExitCode, JobNotStarted, UsageError
 from consulrun.protocol import testhook
 from consulrun.protocol.lock import Fencing, Held, Interrupted, Locker, LockSpec, Watcher, clock, now_iso as _now
@@ -239,7 +240,7 @@ def run(request: RunRequest, config: ConsulConfig) -> int:
                 signals.interruptible = False
                 locker.abandon()
         if held is None:
-            log.info("%s: skipped: %s", spec.job, why)
+            log.info("%s: skipped: %s", spec.job, printable(why))  # it quotes what others wrote in Consul
             return request.skip_exit_code
         signals.interruptible = False
         status = _run_held(request, locker, held, fencing, signals, ledger, claim)

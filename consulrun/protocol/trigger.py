@@ -12,12 +12,14 @@ run; a job that is running already is reported, not run twice.
 
 from __future__ import annotations
 
+import logging
 import signal
 import time
 from datetime import datetime, timezone
 
 from consulrun.consul.client import Client, decoded, kv_op
-from consulrun.errors import ConsulrunError
+from consulrun.consul.values import printable
+from consulrun.errors import ConsulrunError, MalformedValue
 from consulrun.protocol.lock import describe_holder
 from consulrun.protocol.pause import describe, in_force, pause_key, value_of, who
 from consulrun.records import record
@@ -40,14 +42,61 @@ class Outcome:
 
 
 MAX_AGE_S = 600  # a request older than this was left by a trigger that died; runs ignore it
+MAX_AHEAD_S = 300  # a request from the future: the clock of the node that asked may be this far ahead
+_UUID_CHARS = frozenset("0123456789abcdef-")
 
 
 def fresh(request: dict[str, Any], now: datetime | None = None) -> bool:
+    """Whether a well-formed request (see `problem`) is recent enough to be acted on."""
     try:
         at = datetime.fromisoformat(str(request.get("at")).replace("Z", "+00:00"))
     except ValueError:
         return False
-    return ((now or datetime.now(timezone.utc)) - at).total_seconds() < MAX_AGE_S
+    if at.tzinfo is None:
+        return False
+    age = ((now or datetime.now(timezone.utc)) - at).total_seconds()
+    return -MAX_AHEAD_S < age < MAX_AGE_S
+
+
+def problem(request: dict[str, Any]) -> str | None:
+    """Why `request` is not one `consulrun trigger` writes, or None: only a well-formed request is consumed.
+
+    Anyone with KV write can write the trigger key; a request we would not
+    write (no zone on its time, a `by` holding a line break, an id that is not
+    a UUID) is left alone and said once per run, never acted on.
+    """
+    rid, by, at, node = (request.get(k) for k in ("id", "by", "at", "node"))
+    if not (isinstance(rid, str) and len(rid) == 36 and set(rid) <= _UUID_CHARS):
+        return "its id is not a UUID"
+    if not (isinstance(by, str) and 0 < len(by) <= 256 and printable(by) == by):
+        return "its `by` is not a user@host without control characters"
+    if not (isinstance(node, str) and 0 < len(node) <= 256 and printable(node) == node):
+        return "its `node` is not a node name"
+    if not isinstance(at, str) or len(at) > 40:
+        return "its `at` is not a time"
+    try:
+        when = datetime.fromisoformat(at.replace("Z", "+00:00"))
+    except ValueError:
+        return "its `at` is not a time"
+    return None if when.tzinfo is not None else "its `at` has no time zone"
+
+
+def read_request(entry: dict[str, Any] | None, job: str) -> dict[str, Any] | None:
+    """The pending request in the trigger key, if it is well formed; a malformed one is logged and ignored (so
+    a forged trigger neither stops the scheduled runs nor makes one more)."""
+    if not entry or not entry.get("Value"):
+        return None
+    try:
+        request = decoded(entry)
+    except MalformedValue as exc:
+        why = exc.message
+    else:
+        why = problem(request)
+        if why is None:
+            return request
+    logging.getLogger("consulrun").warning("%s: ignoring the trigger request in %s: %s", job,
+                                           printable(entry.get("Key")), why)
+    return None
 
 
 def _stopped(signum: int, _frame: Any) -> None:
@@ -78,7 +127,7 @@ def trigger(client: Client, base: str, unit: str, *, wait_s: float,
     deadline = time.monotonic() + wait_s
     _, paused = client.kv_get(pause_key(base))
     if paused is not None and in_force(value_of(paused)):
-        raise NotTriggered(f"the job is {describe(value_of(paused) or {})}; resume it first; not triggered")
+        raise NotTriggered(f"the job is {printable(describe(value_of(paused) or {}))}; resume it first; not triggered")
     _wait_free(client, lock_key, wait_s)
     import uuid
 
@@ -90,7 +139,7 @@ def trigger(client: Client, base: str, unit: str, *, wait_s: float,
         client.txn([kv_op("delete-cas", trigger_key, Index=int(pending["ModifyIndex"]))])
     if client.txn([kv_op("cas", trigger_key, request, Index=0)]) is None:
         _, pending = client.kv_get(trigger_key)
-        raise NotTriggered(f"another trigger is pending: {decoded(pending)}; not triggered")
+        raise NotTriggered(f"another trigger is pending: {printable(decoded(pending))}; not triggered")
     stop = {sig: signal.signal(sig, _stopped) for sig in (signal.SIGTERM, signal.SIGHUP)}
     try:
         while True:

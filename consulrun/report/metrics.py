@@ -15,25 +15,27 @@ ACLs hiding part of it), the per-job gauges are withdrawn and
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 from prometheus_client import (
+    CONTENT_TYPE_LATEST,
     CollectorRegistry,
     Counter,
     Histogram,
     generate_latest,
-    start_http_server,
     write_to_textfile,
 )
 from prometheus_client.core import GaugeMetricFamily, Metric
 
 from consulrun.consul.client import Client
-from consulrun.errors import ConsulrunError, OutputError, UsageError, os_reason
+from consulrun.errors import ConsulrunError, MalformedValue, OutputError, UsageError, os_reason
 from consulrun.manifest.loader import Manifest
 from consulrun.report import history, status
+from consulrun.report.httpd import MetricsServer
 
 log = logging.getLogger("consulrun")
 
@@ -41,7 +43,7 @@ log = logging.getLogger("consulrun")
 # Schedule lag spans timer accuracy (1s..1min), randomized delays and takeovers (lock-delay + TTLs): 0.1s to 1h.
 LAG_BUCKETS = (0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120, 300, 600, 1800, 3600)
 # `state` label values: the lock being held, and every problem `consulrun status` can report.
-STATES = ("held", "unhealthy", "missed", "overdue", "failed", "lost", "abandoned")
+STATES = ("held", "unhealthy", "missed", "future", "overdue", "failed", "lost", "abandoned")
 OUTCOMES = {"lost": "lost", "abandoned": "abandoned"}
 REFRESH_S = 15.0  # a blocking query returns at least this often, so missed/overdue follow the clock
 MAX_BACKOFF_S = 30.0
@@ -79,6 +81,7 @@ class ClusterMetrics:
         self._statuses: list[status.JobStatus] = []
         self._success: dict[str, float] = {}
         self._up = False
+        self._malformed = False  # the last refresh met a value consulrun never writes (the log names its key)
         self._refreshed: float | None = None
         self.registry.register(self)  # type: ignore[arg-type] - a custom collector: collect() only
 
@@ -96,14 +99,17 @@ class ClusterMetrics:
         # A run history no longer holds cannot come back: forget it, so a long-lived exporter stays small.
         self._counted &= present
         self._lagged &= present
-        self._statuses, self._up, self._refreshed = statuses, True, time.time()
+        self._statuses, self._up, self._refreshed, self._malformed = statuses, True, time.time(), False
         return idx
 
     def failed(self, exc: ConsulrunError, quiet: bool = False) -> None:
-        """Consul could not be read (completely): withdraw what would now be stale."""
+        """Consul could not be read (completely), or a value in it cannot be judged: withdraw what would now be
+        stale, and say which it was."""
         self._statuses, self._up, self._refreshed = [], False, time.time()
+        self._malformed = isinstance(exc, MalformedValue)
         if not quiet:
-            log.warning("exporter: cannot read Consul: %s", exc.format_message())
+            what = "a value in Consul is malformed" if self._malformed else "cannot read Consul"
+            log.warning("exporter: %s: %s", what, exc.format_message())
 
     def _count_runs(self, job: str, rows: list[dict[str, Any]]) -> set[tuple[Any, ...]]:
         """Count the runs not counted yet; return the keys of all of them."""
@@ -135,6 +141,12 @@ class ClusterMetrics:
         if self._refreshed is not None:
             refreshed.add_metric([], self._refreshed)
         yield refreshed
+        malformed = GaugeMetricFamily("consulrun_exporter_malformed_value",
+                                      "1 if the last refresh met a value in Consul that consulrun never writes "
+                                      "(its log names the key): "
+                                      "job gauges are then withdrawn and consul_up is 0, else 0.")
+        malformed.add_metric([], 1.0 if self._malformed else 0.0)
+        yield malformed
         families = {
             "start": GaugeMetricFamily("consulrun_job_last_start_timestamp_seconds",
                                        "Start of the job's last run (any node).", labels=["job_name"]),
@@ -208,9 +220,10 @@ def serve(metrics: ClusterMetrics, make_client: Callable[[], Client], listen: tu
     except ConsulrunError as exc:
         metrics.failed(exc)
     try:
-        start_http_server(listen[1], addr=listen[0], registry=metrics.registry)
+        server = MetricsServer(listen, lambda: exposition(metrics), CONTENT_TYPE_LATEST)
     except OSError as exc:
         raise OutputError(f"--listen: cannot listen on {listen[0]}:{listen[1]}: {os_reason(exc)}") from None
+    threading.Thread(target=server.serve_forever, name="consulrun-metrics", daemon=True).start()
     log.info("exporter: serving metrics of %s/ on http://%s:%d/metrics", metrics.prefix,
              f"[{listen[0]}]" if ":" in listen[0] else listen[0], listen[1])
     delay = 1.0

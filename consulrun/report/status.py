@@ -22,6 +22,7 @@ from consulrun.errors import ConsulrunError, PermissionDenied
 from consulrun.manifest import calendar
 from consulrun.protocol import procinfo
 from consulrun.protocol.health import LAST_FIELDS
+from consulrun.protocol.occurrence import future_limit, future_text
 from consulrun.protocol.pause import in_force as pause_in_force, since as pause_skips, value_of as pause_value_of
 from consulrun.protocol.turns import TURN_MAX_S
 from consulrun.timefmt import parse_time, seconds_between
@@ -46,7 +47,9 @@ class Health(enum.IntEnum):
 
 # Most urgent first: a stuck lock explains a missed run, a missed run matters more than a slow one.
 SEVERITY = [Health.HOLDER_UNHEALTHY, Health.MISSED, Health.OVERDUE, Health.LAST_RUN_FAILED]
-PROBLEM_HEALTH = {"unhealthy": Health.HOLDER_UNHEALTHY, "missed": Health.MISSED, "overdue": Health.OVERDUE,
+# A record in the future ("future") stops every run until it is removed: as good as missed.
+PROBLEM_HEALTH = {"unhealthy": Health.HOLDER_UNHEALTHY, "missed": Health.MISSED, "future": Health.MISSED,
+                  "overdue": Health.OVERDUE,
                   "failed": Health.LAST_RUN_FAILED, "lost": Health.LAST_RUN_FAILED,
                   "abandoned": Health.LAST_RUN_FAILED}
 
@@ -85,18 +88,16 @@ def iso(when: datetime | None) -> str | None:
     return when.astimezone(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ") if when else None
 
 
-def session_health(client: Client, session_id: str,
-                   node_checks: Callable[[str], tuple[list[dict[str, Any]], bool]] | None = None) -> tuple[bool, str]:
-    """(healthy, why), as Consul judges it: a session lives until it is destroyed or a bound check is critical.
-
-    A check in `warning` does not invalidate a session, so it leaves the
-    holder healthy (the reason says so).
-    """
-    info = client.session_visible(session_id)
+def session_health(info: dict[str, Any] | None, node_checks: Callable[[str], tuple[list[dict[str, Any]], bool]],
+                   client: Client) -> tuple[bool, str]:
+    """(healthy, why) of a session (`info`, None if gone), as Consul judges it: a session lives until it is
+    destroyed or a bound check is critical. A check in `warning` does not invalidate a session, so it leaves the
+    holder healthy (the reason says so). `node_checks` gives the checks the token sees and whether ACLs hid some:
+    a hidden check that the session binds is refused (exit 77), never taken for gone."""
     if not info:
         return False, "session no longer exists"
     bound = set(info.get("NodeChecks") or []) | {c.get("ID") for c in info.get("ServiceChecks") or []}
-    found, hidden = (node_checks or client.node_health)(info["Node"])
+    found, hidden = node_checks(info["Node"])
     checks = {c["CheckID"]: c["Status"] for c in found}
     if hidden and bound - checks.keys():  # Consul hid checks of services the token may not read: only bound ones matter
         raise client.hidden_checks_refused(info["Node"], sorted(bound - checks.keys()))
@@ -132,15 +133,18 @@ class HolderJudge:
         return self._node  # type: ignore[return-value]
 
     def holder(self, entry: dict[str, Any]) -> dict[str, Any]:
+        """The holder of `entry`'s lock: its node as Consul's session says (the value may be rewritten by anyone
+        with KV write), and the value's pid judged only where it agrees with that session (procinfo)."""
         value = decoded(entry)
-        healthy, why = session_health(self.client, entry["Session"], self.node_checks)
+        info = self.client.session_visible(entry["Session"])
+        healthy, why = session_health(info, self.node_checks, self.client)
         if healthy and value.get("boot_id") and value.get("boot_id") == procinfo.boot_id():
-            dead = procinfo.provably_dead(value, self.local_node())
+            dead = procinfo.provably_dead(value, self.local_node(), info)
             if dead:
                 healthy, why = False, dead
-        return {"key": entry["Key"], "node": value.get("node"), "since": value.get("started"),
-                "session": entry["Session"], "pid": value.get("pid"), "unit": value.get("unit"),
-                "healthy": healthy, "health": why}
+        return {"key": entry["Key"], "node": (info or {}).get("Node") or value.get("node"),
+                "since": value.get("started"), "session": entry["Session"], "pid": value.get("pid"),
+                "unit": value.get("unit"), "healthy": healthy, "health": why}
 
 
 def _jobs_from_entries(base: str, entries: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, Any]]]:
@@ -202,6 +206,11 @@ def _judge_record(status: JobStatus, record: dict[str, Any], expect: Expectation
     elif record.get("exit_status") not in (None, 0):
         status.problem("failed", f"last run on {record.get('node') or '?'} exited {record['exit_status']}",
                        occurrence=record.get("occurrence"))
+    if record.get("occurrence"):  # a record "in the future" is a finding, not an order (runs refuse it)
+        following = calendar.following(list(expect.schedules), now) if expect and expect.schedules else None
+        limit = future_limit(following, now)
+        if record["occurrence"] > limit:
+            status.problem("future", future_text(record["occurrence"], limit), occurrence=record["occurrence"])
     if expect is None:
         return
     started = parse_time(record.get("started"))
@@ -253,8 +262,6 @@ def _record_of(keys: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
             # end. Judged as an occurrence record saying "running" whose session is gone: abandoned.
             runs.append({**{k: value.get(k) for k in ("node", "started", "session")}, "state": "running"})
     return max(runs, key=lambda r: str(r.get("started") or "")) if runs else None  # the newest of the slots
-
-
 
 
 def judge_job(name: str, keys: dict[str, dict[str, Any]], manifest: Manifest | None, judge: HolderJudge,
@@ -355,8 +362,8 @@ def as_json(prefix: str, statuses: list[JobStatus], health: Health, now: datetim
         for s in statuses]}
 
 
-ERROR_VERDICTS = {2: "usage_error", 6: "no_state", 69: "consul_unavailable", 70: "unexpected_answer",
-                  77: "permission_denied"}
+ERROR_VERDICTS = {2: "usage_error", 6: "no_state", 65: "malformed_value", 69: "consul_unavailable",
+                  70: "unexpected_answer", 77: "permission_denied"}
 
 
 def error_json(prefix: str, exc: ConsulrunError, now: datetime) -> dict[str, Any]:

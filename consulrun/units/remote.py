@@ -25,6 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from consulrun.consul.values import printable
 from consulrun.errors import UsageError, os_reason
 
 # [user@]host: a DNS name or ssh config alias, an IPv4 address, or an IPv6 address (bare or in brackets).
@@ -43,7 +44,7 @@ class HostResult:
     @property
     def warnings(self) -> list[str]:
         """The node's own `warning: ...` lines (e.g. no agent answering there), for the user to see."""
-        return [line[len("warning: "):] for line in self.stderr.splitlines() if line.startswith("warning: ")]
+        return [printable(line[len("warning: "):]) for line in _lines(self.stderr) if line.startswith("warning: ")]
 
 
 @dataclass
@@ -98,14 +99,23 @@ def ssh_argv(host: str, remote_argv: list[str], ssh_options: list[str]) -> list[
 
 
 def _summary(code: int, out: str, err: str) -> str:
-    lines = [line for line in (err.strip().splitlines() + out.strip().splitlines())
-             if line.strip() and not line.startswith("warning: ")]
+    """The node's last word, its control characters escaped (the node chose every byte of it)."""
+    return printable(_last_word(code, out, err))
+
+
+def _lines(text: str) -> list[str]:
+    """Lines as the terminal would end them (at \\n only): a \\r or another break inside a line stays, to be shown."""
+    return [line.rstrip("\r") for line in text.strip().split("\n")] if text.strip() else []
+
+
+def _last_word(code: int, out: str, err: str) -> str:
+    lines = [line for line in (_lines(err) + _lines(out)) if line.strip() and not line.startswith("warning: ")]
     if code == 255 and not out:
         return "ssh failed: " + (lines[-1] if lines else "no answer")
     if code != 0:
         errors = [line for line in lines if line.startswith("Error:")]
         return f"exit {code}: " + (errors[0][len('Error: '):] if errors else (lines[-1] if lines else "no output"))
-    return out.strip().splitlines()[-1] if out.strip() else "ok"
+    return _lines(out)[-1] if out.strip() else "ok"
 
 
 def install_on(host: str, manifest_text: str, remote_argv: list[str], ssh_options: list[str],
@@ -113,14 +123,16 @@ def install_on(host: str, manifest_text: str, remote_argv: list[str], ssh_option
     if host_problem(host):  # read_hosts checked it already; this function must be safe on its own too
         raise UsageError(host_problem(host) or "")
     try:
-        result = subprocess.run(ssh_argv(host, remote_argv, ssh_options), input=manifest_text, capture_output=True,
-                                text=True, timeout=timeout_s)
+        # Bytes, decoded here: text mode would turn a node's bare \r into a line break, and what the node printed
+        # is shown as it is, its control characters escaped (`_summary`).
+        result = subprocess.run(ssh_argv(host, remote_argv, ssh_options), input=manifest_text.encode("utf-8"),
+                                capture_output=True, timeout=timeout_s)
     except subprocess.TimeoutExpired:
         return HostResult(host, False, f"timed out after {timeout_s:.0f}s")
     except OSError as exc:
         return HostResult(host, False, f"cannot run ssh: {os_reason(exc)}")
-    return HostResult(host, result.returncode == 0, _summary(result.returncode, result.stdout, result.stderr),
-                      result.stdout, result.stderr)
+    out, err = (stream.decode("utf-8", "replace") for stream in (result.stdout, result.stderr))
+    return HostResult(host, result.returncode == 0, _summary(result.returncode, out, err), out, err)
 
 
 def install_all(hosts: list[str], manifest_text: str, remote_argv: list[str], ssh_options: list[str],
