@@ -128,7 +128,7 @@ NOW = iso(datetime.now(timezone.utc))
      "'started'"),
     ("history/2026-01-01T00:00:00Z", {"occurrence": "2026-01-01T00:00:00Z", "earlier": [{"attempt": "one"}]},
      "'earlier[0].attempt'"),
-])
+], ids=lambda v: v if isinstance(v, str) and len(v) < 40 else "deep" if v is DEEP else None)
 def test_a_value_consulrun_never_writes_is_one_line_and_exit_65_in_every_reader(
         consul: Agent, key: str, value: Any, field: str) -> None:
     put(consul, f"consulrun/j1/{key}", value)

@@ -8,6 +8,11 @@ in the README and kept stable).
 Never green when blind: every read here fails with PermissionDenied (exit 77)
 when Consul's ACLs hid part of the answer, and a prefix with no state at all
 is said to be empty (exit 6) rather than reported as all well.
+
+Why this module is long: the verdicts (missed, overdue, dead holder, a record
+from the future, a malformed value) are judged from one read of the prefix
+and must agree with each other; `status`, the exporter and the watchdog all
+take them from here, so they cannot disagree.
 """
 
 from __future__ import annotations
