@@ -43,6 +43,7 @@ Exit statuses:
   4   `status`: a run has lasted longer than its job's timeout
   5   `status`: a lock is held by a vanished or critical session, or a dead process
   6   `status`, `unlock`, `history`: no state in Consul for the prefix or job asked about
+      `pause`, `resume`, `trigger`: no such job (in the manifest, else in Consul)
   69  Consul unavailable: nothing was started
   70  Consul answered something unexpected, or `run` failed after taking the lock
       (the job's processes were killed first)
