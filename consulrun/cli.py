@@ -27,7 +27,9 @@ from consulrun.commands import (
     run,
     status,
     trigger,
+    uninstall,
     unlock,
+    validate,
     watchdog,
 )
 from consulrun.errors import ConsulrunError, output_guard
@@ -90,5 +92,6 @@ def main() -> None:
 
 for _command in (generate.generate, run.run, reap.reap, install.install, status.status, unlock.unlock,
                  import_crontab.import_crontab, watchdog.watchdog, acl_policy.acl_policy, history.history,
-                 pause.pause, resume.resume, trigger.trigger, on_failure.on_failure, exporter.exporter):
+                 pause.pause, resume.resume, trigger.trigger, on_failure.on_failure, exporter.exporter,
+                 validate.validate, uninstall.uninstall):
     main.add_command(_command)
