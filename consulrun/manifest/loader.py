@@ -88,7 +88,7 @@ class Manifest:
     consul: ConsulSettings
     jobs: tuple[Job, ...]
     health_checks: bool = False  # each job's state as a Consul health check, and the watchdog units
-    name: str | None = None  # the top-level `name:`: which manifest owns the units (see units.render.owner)
+    name: str | None = None  # the top-level `name:`: which manifest owns the units (see units.owner)
 
 
 class _Problems:
