@@ -30,7 +30,7 @@ def owner(manifest: Manifest, *, writing: bool = True) -> str:
     """
     if manifest.name:
         return manifest.name
-    if manifest.source == "<stdin>":
+    if manifest.source in ("<stdin>", "-"):
         if not writing:  # printed or checked: nothing in a folder is replaced or removed by this name
             return STDIN_NAME
         raise UsageError("a manifest read from standard input needs a top-level `name:` (or --name): it says which "
