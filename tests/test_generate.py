@@ -284,3 +284,21 @@ def test_retry_job_on_a_schedule_too_dense_for_a_takeover_is_warned_about(tmp_pa
     assert warned.count("\n") == 1
     assert warned.startswith("warning: job dense: on_holder_loss: retry cannot promise at least once: occurrences "
                              "are 30s apart, but noticing a dead run and running it again can take 54s")
+
+
+def test_units_of_an_older_consulrun_are_adopted_if_made_else_left_and_said(tmp_path: Path) -> None:
+    """Units written before units named their manifest: replaced when this manifest makes them, else kept."""
+    a, _ = two_manifests(tmp_path)
+    out_dir = tmp_path / "units"
+    assert invoke("generate", str(a), "-o", str(out_dir), "--consulrun-path", CONSULRUN)[0] == 0
+    for path in out_dir.iterdir():  # as an older consulrun wrote them: no `# Manifest:` line
+        path.write_text("".join(line for line in path.read_text().splitlines(keepends=True)
+                                if not line.startswith("# Manifest: ")))
+    a.write_text("jobs:\n  backup: {command: 'true', schedule: daily}\n")
+    code, out, err = invoke("generate", str(a), "-o", str(out_dir), "--consulrun-path", CONSULRUN)
+    assert code == 0 and "removed" not in out
+    assert err == (f"warning: left in place in {out_dir}: consulrun-rotate.service, consulrun-rotate.timer: made by "
+                   "an older consulrun, they name no manifest (remove them by hand if no manifest makes them any "
+                   "more)\n")
+    assert "\n# Manifest: a\n" in (out_dir / "consulrun-backup.timer").read_text()
+    assert (out_dir / "consulrun-rotate.timer").exists()

@@ -34,7 +34,7 @@ def generate(manifest: Path, output: str, check: bool, templates: Path | None, c
     from consulrun.units.guarantees import warnings
     from consulrun.units.install import plan
     from consulrun.units.owner import named, owner
-    from consulrun.units.render import render, write_units
+    from consulrun.units.render import render, unowned_units, unowned_warning, write_units
 
     loaded, _ = read_manifest(manifest)
     loaded = named(loaded, manifest_name)
@@ -54,6 +54,9 @@ def generate(manifest: Path, output: str, check: bool, templates: Path | None, c
             sys.exit(ExitCode.FAILURE)
         click.echo(f"{outdir} is up to date")
         return
+    unowned = unowned_units(outdir, units, loaded.unit_prefix)
+    if unowned:
+        click.echo(f"warning: {unowned_warning(outdir, unowned)}", err=True)
     written, removed = write_units(units, outdir, owner(loaded))
     for path in written:
         click.echo(str(path))

@@ -25,7 +25,15 @@ from consulrun.errors import ConsulrunError, OutputError, UsageError, os_reason
 from consulrun.manifest.loader import Manifest
 from consulrun.units.guarantees import warnings as guarantee_warnings
 from consulrun.units.owner import claimed_by_another, owner
-from consulrun.units.render import is_generated, render, replace_atomic, restore_file, stale_units
+from consulrun.units.render import (
+    is_generated,
+    render,
+    replace_atomic,
+    restore_file,
+    stale_units,
+    unowned_units,
+    unowned_warning,
+)
 
 
 class InstallError(ConsulrunError):
@@ -174,6 +182,8 @@ def install_local(manifest: Manifest, *, root: Path | None, unit_dir: Path, dry_
     if root is None and (dry_run or not the_plan.empty):  # a dry run is the time to hear it, too
         report.warnings += agent_warnings(manifest.consul.address)
     report.warnings += guarantee_warnings(manifest)
+    unowned = unowned_units(target, units, manifest.unit_prefix)
+    report.warnings += [unowned_warning(target, unowned)] if unowned else []
     return _carry_out(the_plan, report, dry_run=dry_run, start=start, root=root,
                       done=f"up to date: {len(units)} unit(s) in {target}", verb="installed")
 

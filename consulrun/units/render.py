@@ -281,9 +281,25 @@ def stale_units(folder: Path, keep: dict[str, str] | set[str], name: str) -> lis
     them, nor files that name no manifest."""
     try:
         names = sorted(os.listdir(folder))
-    except FileNotFoundError:
+    except OSError:  # no folder (yet), or not one: nothing in it to leave or remove
         return []
     return [n for n in names if n.endswith(OWNED_SUFFIXES) and n not in keep and owner_of(folder / n) == name]
+
+
+def unowned_units(folder: Path, keep: dict[str, str], unit_prefix: str) -> list[str]:
+    """Generated files of `unit_prefix` that name no manifest (an older consulrun wrote them) and that this
+    manifest does not make: no manifest can prove them its own, so they are left, and said so."""
+    try:
+        names = sorted(os.listdir(folder))
+    except OSError:  # no folder (yet), or not one: nothing in it to leave or remove
+        return []
+    return [n for n in names if n.startswith(f"{unit_prefix}-") and n.endswith(OWNED_SUFFIXES) and n not in keep
+            and is_generated(folder / n) and owner_of(folder / n) is None]
+
+
+def unowned_warning(folder: Path, names: list[str]) -> str:
+    return (f"left in place in {folder}: {', '.join(names)}: made by an older consulrun, they name no manifest "
+            "(remove them by hand if no manifest makes them any more)")
 
 
 def write_units(units: dict[str, str], outdir: Path, name: str) -> tuple[list[Path], list[Path]]:
