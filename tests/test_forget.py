@@ -82,3 +82,19 @@ def test_a_run_that_takes_the_lock_between_look_and_delete_makes_forget_fail(con
     finally:
         go.touch()
     assert finish(runner)[0] == 0
+
+
+def test_more_keys_than_one_transaction_holds_are_forgotten_in_guarded_batches(consul: Agent) -> None:
+    """Consul refuses a transaction of more than 128 operations: the history goes first, the lock last."""
+    assert finish(consulrun("run", "--schedule", YEARLY, "long-lived", "--", "true"))[0] == 0
+    ops = [{"KV": {"Verb": "set", "Key": f"consulrun/long-lived/history/2000-01-01T00:{n // 60:02d}:{n % 60:02d}Z",
+                   "Value": "e30="}} for n in range(100)]
+    for n in range(0, 200, 100):
+        batch = [{"KV": {**op["KV"], "Key": op["KV"]["Key"].replace("2000", str(2000 + n))}} for op in ops]
+        assert requests.put(f"{consul.url}/v1/txn", json=batch, timeout=10).status_code == 200
+    before = keys_of(consul, "long-lived")
+    assert len(before) > 200
+    code, out, err = finish(consulrun("forget", "long-lived", "--yes"))
+    assert code == 0, err
+    assert out == f"long-lived: forgotten ({len(before)} key(s))\n"
+    assert keys_of(consul, "long-lived") == []

@@ -97,7 +97,7 @@ def test_generate_prints_what_it_wrote_and_removes_stale_units(tmp_path: Path) -
     manifest.write_text(CASES["tls-and-checks"].read_text().split("  sync:")[0])
     code, out, _ = invoke("generate", str(manifest), "-o", str(tmp_path), "--consulrun-path", CONSULRUN)
     assert code == 0
-    assert out.splitlines()[2:] == [f"removed {tmp_path / 'ops-sync.service'}", f"removed {tmp_path / 'ops-sync.timer'}"]
+    assert out.splitlines()[2:] == [f"removed {tmp_path / n}" for n in ("ops-sync.service", "ops-sync.timer")]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["edited", "hand-made.service", "ops-rotate-logs.service",
                                                           "ops-rotate-logs.timer"]
 

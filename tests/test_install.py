@@ -574,6 +574,7 @@ def test_two_manifests_add_up_and_uninstall_removes_only_one(node: Container) ->
     result = install_as(node, "b.yaml", None, "--root", image, command="uninstall")
     assert result.returncode == 0, result.stderr
     assert "daemon-reload" not in result.stdout and "--now" not in result.stdout
-    assert list(units.glob("consulrun-*")) == [] and not (units / "timers.target.wants" / "consulrun-beta.timer").exists()
+    assert list(units.glob("consulrun-*")) == []
+    assert not (units / "timers.target.wants" / "consulrun-beta.timer").exists()
     assert node.systemctl("is-enabled", "consulrun-beta.timer").stdout.strip() == "enabled"  # the live one stays
     assert install_as(node, "b.yaml", None, command="uninstall").returncode == 0

@@ -66,7 +66,8 @@ def look(client: Client, prefix: str, job: str) -> Forgetting:
 
 
 def _guards(found: Forgetting) -> list[dict[str, Any]]:
-    return [kv_op("check-not-exists", f"{found.base}/{key}") for key in GUARDED if f"{found.base}/{key}" not in found.keys]
+    return [kv_op("check-not-exists", f"{found.base}/{key}") for key in GUARDED
+            if f"{found.base}/{key}" not in found.keys]
 
 
 def forget(client: Client, found: Forgetting) -> None:
