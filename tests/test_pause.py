@@ -66,9 +66,11 @@ def test_pause_landing_between_the_look_and_the_claim_stops_the_run(consul: Agen
     env = {"CONSULRUN_TEST_PAUSE": "before-claim", "CONSULRUN_TEST_HOOK_DIR": str(hooks)}
     runner = consulrun("run", "--skip-exit-code", str(SKIP), *(["--schedule", YEARLY] if schedule else []),
                        "racing", "--", "touch", str(ran), env=env)
-    wait_for((hooks / "before-claim").exists, 30, "the runner to have looked (not paused) and be about to claim")
-    assert finish(consulrun("pause", jobs_of(tmp_path, "racing"), "racing", "--reason", "now"))[0] == 0
-    (hooks / "before-claim.go").touch()
+    try:
+        wait_for((hooks / "before-claim").exists, 30, "the runner to have looked (not paused) and be about to claim")
+        assert finish(consulrun("pause", jobs_of(tmp_path, "racing"), "racing", "--reason", "now"))[0] == 0
+    finally:
+        (hooks / "before-claim.go").touch()  # a failed step above must not leave the runner waiting forever
     code, _, err = finish(runner)
     assert code == SKIP, err
     assert "paused by" in err and ": now" in err
