@@ -16,6 +16,7 @@ from consulrun import __version__
 from consulrun.commands import (
     acl_policy,
     exporter,
+    forget,
     generate,
     history,
     import_crontab,
@@ -27,7 +28,9 @@ from consulrun.commands import (
     run,
     status,
     trigger,
+    uninstall,
     unlock,
+    validate,
     watchdog,
 )
 from consulrun.errors import ConsulrunError, output_guard
@@ -43,6 +46,7 @@ Exit statuses:
   4   `status`: a run has lasted longer than its job's timeout
   5   `status`: a lock is held by a vanished or critical session, or a dead process
   6   `status`, `unlock`, `history`: no state in Consul for the prefix or job asked about
+      `pause`, `resume`, `trigger`: no such job (in the manifest, else in Consul); `forget`: in Consul
   65  a value in Consul is not one consulrun writes (malformed, or a record in the
       future): the line names its key; `run` starts nothing
   69  Consul unavailable: nothing was started
@@ -91,5 +95,6 @@ def main() -> None:
 
 for _command in (generate.generate, run.run, reap.reap, install.install, status.status, unlock.unlock,
                  import_crontab.import_crontab, watchdog.watchdog, acl_policy.acl_policy, history.history,
-                 pause.pause, resume.resume, trigger.trigger, on_failure.on_failure, exporter.exporter):
+                 pause.pause, resume.resume, trigger.trigger, on_failure.on_failure, exporter.exporter,
+                 validate.validate, uninstall.uninstall, forget.forget):
     main.add_command(_command)

@@ -2,6 +2,11 @@
 
     python -m consulrun.manpage DIR      # e.g. /usr/local/share/man/man1; then `man consulrun`
 
+The wheel ships them (made this way, kept in docs/man/man1 and checked up to
+date by a test) under <prefix>/share/man/man1, where `man` finds them beside
+the <prefix>/bin on PATH, so the units' `Documentation=man:consulrun-run(1)`
+resolves on a plain `pip install`.
+
 Generated, not written by hand, so the pages cannot drift from `--help`.
 click-man leaves out the exit statuses (the group's epilog) and passes
 click's `\\b` (keep-lines) markers through as roff escapes; both are put right
@@ -10,6 +15,7 @@ here. click-man is an optional dependency: `pip install 'consulrun[man]'`.
 
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 
@@ -59,7 +65,9 @@ def write_pages(target: Path, cli: click.Group | None = None) -> list[Path]:
     others = ", ".join(rf"\fB{name}\fP(1)" for _, name in pages)
     written = []
     for ctx, name in pages:
-        text = _keep_lines(generate_man_page(ctx, version=__version__))
+        # No date (click-man puts today's): the pages shipped in the wheel must be the same bytes every day.
+        text = _keep_lines(re.sub(r'^(\.TH "[^"]*" "1" )"[^"]*"', r'\1""', generate_man_page(ctx, version=__version__),
+                                  count=1, flags=re.M))
         if name in ("consulrun", "consulrun-run"):
             text += _exit_statuses(EXIT_CODES_HELP)
         text += f".SH \"SEE ALSO\"\n{others}, {SEE_ALSO}\n"

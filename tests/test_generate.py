@@ -92,11 +92,69 @@ def test_generate_prints_what_it_wrote_and_removes_stale_units(tmp_path: Path) -
                                 ("ops-rotate-logs.service", "ops-rotate-logs.timer", "ops-sync.service", "ops-sync.timer")]
     foreign = tmp_path / "hand-made.service"
     foreign.write_text("[Service]\nExecStart=/bin/true\n")
-    manifest = tmp_path / "one.yaml"
+    (tmp_path / "edited").mkdir()
+    manifest = tmp_path / "edited" / "manifest.yaml"  # the same manifest (its name is its file name), one job less
     manifest.write_text(CASES["tls-and-checks"].read_text().split("  sync:")[0])
-    assert invoke("generate", str(manifest), "-o", str(tmp_path), "--consulrun-path", CONSULRUN)[0] == 0
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["hand-made.service", "one.yaml", "ops-rotate-logs.service",
+    code, out, _ = invoke("generate", str(manifest), "-o", str(tmp_path), "--consulrun-path", CONSULRUN)
+    assert code == 0
+    assert out.splitlines()[2:] == [f"removed {tmp_path / n}" for n in ("ops-sync.service", "ops-sync.timer")]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["edited", "hand-made.service", "ops-rotate-logs.service",
                                                           "ops-rotate-logs.timer"]
+
+
+def two_manifests(tmp_path: Path) -> tuple[Path, Path]:
+    a, b = tmp_path / "a.yaml", tmp_path / "b.yaml"
+    a.write_text("jobs:\n  backup: {command: 'true', schedule: daily}\n  rotate: {command: 'true', schedule: daily}\n")
+    b.write_text("jobs:\n  report: {command: 'true', schedule: daily}\n")
+    return a, b
+
+
+def test_a_second_manifest_adds_up_and_never_removes_the_firsts_units(tmp_path: Path) -> None:
+    a, b = two_manifests(tmp_path)
+    out_dir = tmp_path / "units"
+    assert invoke("generate", str(a), "-o", str(out_dir), "--consulrun-path", CONSULRUN)[0] == 0
+    code, out, err = invoke("generate", str(b), "-o", str(out_dir), "--consulrun-path", CONSULRUN)
+    assert code == 0, err
+    assert "removed" not in out
+    assert sorted(p.name for p in out_dir.iterdir()) == [
+        "consulrun-backup.service", "consulrun-backup.timer", "consulrun-report.service", "consulrun-report.timer",
+        "consulrun-rotate.service", "consulrun-rotate.timer"]
+    assert "\n# Manifest: a\n" in (out_dir / "consulrun-backup.timer").read_text()
+    assert "\n# Manifest: b\n" in (out_dir / "consulrun-report.timer").read_text()
+    # a.yaml loses a job: only its own unit goes
+    a.write_text("jobs:\n  backup: {command: 'true', schedule: daily}\n")
+    code, out, _ = invoke("generate", str(a), "-o", str(out_dir), "--consulrun-path", CONSULRUN)
+    assert code == 0 and out.splitlines()[2:] == [f"removed {out_dir / 'consulrun-rotate.service'}",
+                                                  f"removed {out_dir / 'consulrun-rotate.timer'}"]
+    assert (out_dir / "consulrun-report.timer").exists()
+    code, _, _ = invoke("generate", str(b), "-o", str(out_dir), "--check", "--consulrun-path", CONSULRUN)
+    assert code == 0  # b's --check sees only b's units
+
+
+def test_a_unit_of_another_manifest_in_the_way_is_refused_naming_both(tmp_path: Path) -> None:
+    a, b = two_manifests(tmp_path)
+    b.write_text("jobs:\n  backup: {command: 'false', schedule: daily}\n")  # the same unit name as a's job
+    out_dir = tmp_path / "units"
+    assert invoke("generate", str(a), "-o", str(out_dir), "--consulrun-path", CONSULRUN)[0] == 0
+    before = {p.name: p.read_text() for p in out_dir.iterdir()}
+    code, out, err = invoke("generate", str(b), "-o", str(out_dir), "--consulrun-path", CONSULRUN)
+    assert (code, out) == (2, "")
+    assert err.startswith(f"Error: {out_dir}/consulrun-backup.service belongs to manifest 'a', not to 'b'")
+    assert {p.name: p.read_text() for p in out_dir.iterdir()} == before
+    named = tmp_path / "named.yaml"  # a `name:` says which manifest it is, whatever the file is called
+    named.write_text("name: a\n" + b.read_text())
+    assert invoke("generate", str(named), "-o", str(out_dir), "--consulrun-path", CONSULRUN)[0] == 0
+    assert "ExecStart=/usr/local/bin/consulrun run" in (out_dir / "consulrun-backup.service").read_text()
+
+
+def test_standard_input_needs_a_name(tmp_path: Path) -> None:
+    result = CliRunner().invoke(main, ["generate", "-", "-o", str(tmp_path)],
+                                input="jobs:\n  x: {command: 'true', schedule: daily}\n")
+    assert result.exit_code == 2 and "needs a top-level `name:` (or --name)" in result.stderr
+    result = CliRunner().invoke(main, ["generate", "-", "-o", str(tmp_path), "--name", "piped"],
+                                input="jobs:\n  x: {command: 'true', schedule: daily}\n")
+    assert result.exit_code == 0, result.stderr
+    assert "\n# Manifest: piped\n" in (tmp_path / "consulrun-x.timer").read_text()
 
 
 def test_check_reports_diff_and_exit_status(tmp_path: Path) -> None:
@@ -226,3 +284,21 @@ def test_retry_job_on_a_schedule_too_dense_for_a_takeover_is_warned_about(tmp_pa
     assert warned.count("\n") == 1
     assert warned.startswith("warning: job dense: on_holder_loss: retry cannot promise at least once: occurrences "
                              "are 30s apart, but noticing a dead run and running it again can take 54s")
+
+
+def test_units_of_an_older_consulrun_are_adopted_if_made_else_left_and_said(tmp_path: Path) -> None:
+    """Units written before units named their manifest: replaced when this manifest makes them, else kept."""
+    a, _ = two_manifests(tmp_path)
+    out_dir = tmp_path / "units"
+    assert invoke("generate", str(a), "-o", str(out_dir), "--consulrun-path", CONSULRUN)[0] == 0
+    for path in out_dir.iterdir():  # as an older consulrun wrote them: no `# Manifest:` line
+        path.write_text("".join(line for line in path.read_text().splitlines(keepends=True)
+                                if not line.startswith("# Manifest: ")))
+    a.write_text("jobs:\n  backup: {command: 'true', schedule: daily}\n")
+    code, out, err = invoke("generate", str(a), "-o", str(out_dir), "--consulrun-path", CONSULRUN)
+    assert code == 0 and "removed" not in out
+    assert err == (f"warning: left in place in {out_dir}: consulrun-rotate.service, consulrun-rotate.timer: made by "
+                   "an older consulrun, they name no manifest (remove them by hand if no manifest makes them any "
+                   "more)\n")
+    assert "\n# Manifest: a\n" in (out_dir / "consulrun-backup.timer").read_text()
+    assert (out_dir / "consulrun-rotate.timer").exists()

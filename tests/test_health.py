@@ -201,7 +201,7 @@ def test_watchdog_marks_missed_overdue_and_paused_and_otherwise_writes_nothing(c
     sid = hold(catalog, "overdue", started=iso(started))
     put(catalog, "consulrun/overdue/occurrence", {"occurrence": "2026-01-01T00:00:00Z", "state": "running",
                                                   "node": "dev1", "session": sid, "started": iso(started)})
-    assert finish(consulrun("pause", "paused", "--reason", "migration"))[0] == 0
+    assert finish(consulrun("pause", str(manifest), "paused", "--reason", "migration"))[0] == 0  # never run yet
     fine_index = checks(catalog)["fine"]["ModifyIndex"]
 
     code, _, err = watchdog(manifest, "--grace", "1s")

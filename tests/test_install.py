@@ -373,7 +373,7 @@ def test_hosts_file_and_parallel_fan_out(tmp_path: Path) -> None:
         assert argv[:2] == ["-o", "BatchMode=yes"] and ["-o", "ConnectTimeout=3"] == argv[2:4]
         # The host after `--` (never read as an option), the remote command one string quoted for the remote shell.
         assert argv[argv.index("--") + 1:] == [host, "/opt/consulrun install - --no-start --unit-dir "
-                                                     "/etc/systemd/system --consulrun-path /opt/consulrun"]
+                                                     "/etc/systemd/system --consulrun-path /opt/consulrun --name jobs"]
 
 
 def test_per_job_unit_settings_and_shell_reach_the_running_job(node: Container) -> None:
@@ -519,3 +519,62 @@ def test_unreachable_host_among_three(three_nodes, tmp_path: Path) -> None:
     assert f"install failed on 1 of 3 node(s): {nowhere}" in result.stderr
     for ctr in nodes[:2]:
         assert (ctr.unit_dir / "consulrun-quiet.timer").exists()
+
+
+def install_as(ctr: Container, filename: str, text: str | None, *args: str,
+               command: str = "install") -> subprocess.CompletedProcess[str]:
+    """`install` (or `uninstall`) of the manifest /shared/<filename>: its file name is its name."""
+    if text is not None:
+        (ctr.shared / filename).write_text(text)
+    return ctr.exec(CONSULRUN, command, f"/shared/{filename}", *args, check=False)
+
+
+def test_two_manifests_add_up_and_uninstall_removes_only_one(node: Container) -> None:
+    alpha = ["consulrun-alpha.service", "consulrun-alpha.timer"]
+    result = install_as(node, "a.yaml", manifest({"alpha": tick_job("daily"), "alpha2": tick_job("daily")}))
+    assert result.returncode == 0, result.stderr
+    result = install_as(node, "b.yaml", manifest({"beta": tick_job("daily")}))
+    assert result.returncode == 0, result.stderr
+    assert "installed: 2 added, 0 changed, 0 removed" in result.stdout and "removed:" not in result.stdout
+    for timer in ("consulrun-alpha.timer", "consulrun-alpha2.timer", "consulrun-beta.timer"):
+        assert node.systemctl("is-enabled", timer).stdout.strip() == "enabled", timer
+
+    clash = install_as(node, "c.yaml", manifest({"alpha": tick_job("hourly")}))
+    assert clash.returncode == 2 and clash.stdout == ""
+    assert "consulrun-alpha.service belongs to manifest 'a', not to 'c'" in clash.stderr
+    assert "OnCalendar=daily" in (node.unit_dir / "consulrun-alpha.timer").read_text()
+
+    result = install_as(node, "a.yaml", manifest({"alpha": tick_job("daily")}))
+    assert result.returncode == 0, result.stderr
+    assert "removed: consulrun-alpha2.service, consulrun-alpha2.timer\n" in result.stdout
+
+    before = {p.name: p.read_bytes() for p in node.unit_dir.glob("consulrun-*")}
+    result = install_as(node, "a.yaml", None, "--dry-run", command="uninstall")
+    assert result.returncode == 0, result.stderr
+    assert f"would remove: {', '.join(alpha)}\n" in result.stdout
+    assert "would run: systemctl disable --now consulrun-alpha.timer\n" in result.stdout
+    assert {p.name: p.read_bytes() for p in node.unit_dir.glob("consulrun-*")} == before
+
+    result = install_as(node, "a.yaml", None, command="uninstall")
+    assert result.returncode == 0, result.stderr
+    assert "uninstalled: 0 added, 0 changed, 2 removed" in result.stdout
+    assert not any((node.unit_dir / n).exists() for n in alpha)
+    assert show(node, "consulrun-alpha.timer", "LoadState")["LoadState"] == "not-found"
+    assert node.systemctl("is-enabled", "consulrun-beta.timer").stdout.strip() == "enabled"
+    again = install_as(node, "a.yaml", None, command="uninstall")
+    assert (again.returncode, again.stdout) == (0, f"nothing to remove: no unit of manifest 'a' in {node.unit_dir}\n") \
+        or again.stdout.startswith("nothing to remove: no unit of manifest 'a'"), again.stdout
+
+    image = "/var/tmp/image-b"  # offline, into an image: disabled there, nothing stopped here
+    node.exec("mkdir", "-p", f"{image}{Path(CONSULRUN).parent}")
+    node.exec("cp", CONSULRUN, f"{image}{CONSULRUN}")
+    assert install_as(node, "b.yaml", None, "--root", image, "--consulrun-path", CONSULRUN).returncode == 0
+    units = node.merged / image.lstrip("/") / "etc" / "systemd" / "system"
+    assert (units / "timers.target.wants" / "consulrun-beta.timer").is_symlink()
+    result = install_as(node, "b.yaml", None, "--root", image, command="uninstall")
+    assert result.returncode == 0, result.stderr
+    assert "daemon-reload" not in result.stdout and "--now" not in result.stdout
+    assert list(units.glob("consulrun-*")) == []
+    assert not (units / "timers.target.wants" / "consulrun-beta.timer").exists()
+    assert node.systemctl("is-enabled", "consulrun-beta.timer").stdout.strip() == "enabled"  # the live one stays
+    assert install_as(node, "b.yaml", None, command="uninstall").returncode == 0

@@ -13,8 +13,10 @@ from click.testing import CliRunner
 
 from consulrun import __version__
 from consulrun.cli import main
+from tests.conftest import require_tool
 
 REPO = Path(__file__).resolve().parents[1]
+MAN_PAGES = REPO / "docs" / "man" / "man1"
 
 
 def test_version_and_help() -> None:
@@ -56,6 +58,27 @@ def test_wheel_ships_templates_and_renders_from_installed_copy(tmp_path: Path) -
     assert result.returncode == 0, result.stderr
     service = (out / "consulrun-billing-report.service").read_text()
     assert f"ExecStart={env_dir}/bin/consulrun run " in service
+
+    # The man pages the units' Documentation= names come with the wheel, where `man` finds them beside bin/ on
+    # PATH, so systemd-analyze verify passes as it checks them (no --man=no). Any stderr is a failure too.
+    require_tool("systemd-analyze")
+    units = sorted(str(p) for p in out.iterdir() if p.suffix in (".service", ".timer"))
+    path = f"{env_dir / 'bin'}:/usr/sbin:/usr/bin:/sbin:/bin"
+    result = subprocess.run(["systemd-analyze", "verify", *units], capture_output=True, text=True, cwd=out,
+                            env={"PATH": path, "LANG": "C.UTF-8"})
+    assert (result.returncode, result.stderr) == (0, "")
+    pages = env_dir / "share" / "man" / "man1"
+    assert sorted(p.name for p in pages.iterdir()) == sorted(p.name for p in MAN_PAGES.iterdir())
+
+
+def test_shipped_man_pages_are_up_to_date_with_the_cli(tmp_path: Path) -> None:
+    """docs/man/man1 is what the wheel ships: it must be what `python -m consulrun.manpage` makes from --help now."""
+    from consulrun.manpage import write_pages
+
+    made = {p.name: p.read_text() for p in write_pages(tmp_path)}
+    shipped = {p.name: p.read_text() for p in MAN_PAGES.iterdir()}
+    stale = sorted(n for n in {**made, **shipped} if made.get(n) != shipped.get(n))
+    assert not stale, f"run `python -m consulrun.manpage docs/man/man1`: out of date: {', '.join(stale)}"
 
 
 @pytest.mark.slow

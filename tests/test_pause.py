@@ -20,6 +20,13 @@ pytestmark = pytest.mark.consul
 YEARLY = "*-01-01 00:00:00 UTC"
 
 
+def jobs_of(tmp_path: Path, *jobs: str) -> str:
+    """A manifest of `jobs`: pause and resume take only a job of the manifest given, or one Consul knows."""
+    path = tmp_path / "jobs.yaml"
+    path.write_text("jobs:\n" + "".join(f"  {job}: {{command: ['true'], schedule: daily}}\n" for job in jobs))
+    return str(path)
+
+
 def indexes(agent: Agent, job: str) -> tuple[int, int]:
     """KV and session indexes: they move with any write to the job's keys or to sessions."""
     return (int(agent.api("GET", f"kv/consulrun/{job}/", params={"recurse": "true"}).headers["X-Consul-Index"]),
@@ -31,7 +38,8 @@ def test_paused_job_is_skipped_without_writes_until_resumed(consul: Agent, tmp_p
     ran = tmp_path / "ran"
     args = ["run", "--skip-exit-code", str(SKIP), *(["--schedule", YEARLY] if schedule else []), "nightly", "--",
             "touch", str(ran)]
-    code, out, err = finish(consulrun("pause", "nightly", "--reason", "database migration"))
+    code, out, err = finish(consulrun("pause", jobs_of(tmp_path, "nightly"), "nightly", "--reason",
+                                         "database migration"))
     assert code == 0, err
     assert "nightly: paused by " in out and ": database migration" in out
     before = indexes(consul, "nightly")
@@ -43,7 +51,7 @@ def test_paused_job_is_skipped_without_writes_until_resumed(consul: Agent, tmp_p
     code, out, _ = finish(consulrun("status", "--json", "nightly"))
     job = json.loads(out)["jobs"][0]
     assert job["paused"]["reason"] == "database migration"
-    assert finish(consulrun("resume", "nightly"))[0] == 0
+    assert finish(consulrun("resume", jobs_of(tmp_path, "nightly"), "nightly"))[0] == 0
     code, _, err = finish(consulrun(*args))
     assert code == 0, err
     assert ran.exists()
@@ -58,9 +66,11 @@ def test_pause_landing_between_the_look_and_the_claim_stops_the_run(consul: Agen
     env = {"CONSULRUN_TEST_PAUSE": "before-claim", "CONSULRUN_TEST_HOOK_DIR": str(hooks)}
     runner = consulrun("run", "--skip-exit-code", str(SKIP), *(["--schedule", YEARLY] if schedule else []),
                        "racing", "--", "touch", str(ran), env=env)
-    wait_for((hooks / "before-claim").exists, 30, "the runner to have looked (not paused) and be about to claim")
-    assert finish(consulrun("pause", "racing", "--reason", "now"))[0] == 0
-    (hooks / "before-claim.go").touch()
+    try:
+        wait_for((hooks / "before-claim").exists, 30, "the runner to have looked (not paused) and be about to claim")
+        assert finish(consulrun("pause", jobs_of(tmp_path, "racing"), "racing", "--reason", "now"))[0] == 0
+    finally:
+        (hooks / "before-claim.go").touch()  # a failed step above must not leave the runner waiting forever
     code, _, err = finish(runner)
     assert code == SKIP, err
     assert "paused by" in err and ": now" in err
@@ -70,7 +80,7 @@ def test_pause_landing_between_the_look_and_the_claim_stops_the_run(consul: Agen
 
 def test_pause_for_a_while_ends_by_itself(consul: Agent, tmp_path: Path) -> None:
     ran = tmp_path / "ran"
-    assert finish(consulrun("pause", "brief", "--for", "3s"))[0] == 0
+    assert finish(consulrun("pause", jobs_of(tmp_path, "brief"), "brief", "--for", "3s"))[0] == 0
     code, _, err = finish(consulrun("run", "--skip-exit-code", str(SKIP), "brief", "--", "touch", str(ran)))
     assert code == SKIP and "until" in err, err
 
@@ -110,7 +120,7 @@ def test_pause_without_write_on_the_prefix_is_refused(acl_agent, tmp_path: Path)
     _acl(agent, management, "PUT", "acl/policy", {"Name": "readonly", "Rules": rules})
     secret = _acl(agent, management, "PUT", "acl/token", {"Policies": [{"Name": "readonly"}]})["SecretID"]
     env = {"CONSUL_HTTP_ADDR": agent.http_addr, "CONSUL_HTTP_TOKEN_FILE": str(_token_file(tmp_path, "ro", secret))}
-    code, out, err = finish(consulrun("pause", "guarded", env=env))
+    code, out, err = finish(consulrun("pause", jobs_of(tmp_path, "guarded"), "guarded", env=env))
     assert code == 77, err
     assert out == "" and err.count("\n") == 1 and "Consul ACL denied it" in err
     assert requests.get(f"{agent.url}/v1/kv/consulrun/guarded/pause", headers={"X-Consul-Token": management},
@@ -305,8 +315,50 @@ def test_a_resume_within_an_occurrences_second_still_covers_it(consul: Agent) ->
     assert (episode["at"], episode["ended"]) == ("2026-11-30T12:11:30Z", "2026-11-30T12:12:01Z")
 
 
-def test_a_job_named_twice_is_paused_and_resumed_once(consul: Agent) -> None:
+def test_a_job_named_twice_is_paused_and_resumed_once(consul: Agent, tmp_path: Path) -> None:
     for verb in ("pause", "resume"):
-        code, _, err = finish(consulrun(verb, "twice", "twice"))
+        code, _, err = finish(consulrun(verb, jobs_of(tmp_path, "twice"), "twice", "twice"))
         assert code == 0, err
     assert len(episodes_of(consul, "twice")) == 1
+
+
+# --- job names: a typo pauses, resumes or triggers nothing, and leaves no phantom -------------------------
+
+
+def keys_under(agent: Agent, prefix: str) -> list[str]:
+    found = requests.get(f"{agent.url}/v1/kv/{prefix}", params={"recurse": "true", "keys": "true"}, timeout=10)
+    return [] if found.status_code == 404 else found.json()
+
+
+def test_a_typo_is_refused_with_a_suggestion_and_writes_nothing(consul: Agent, tmp_path: Path) -> None:
+    manifest = jobs_of(tmp_path, "db-backup", "cache-warm")
+    for verb in ("pause", "resume", "trigger"):
+        code, out, err = finish(consulrun(verb, manifest, "db-bakup"))
+        assert (code, out) == (6, ""), err
+        assert err == f"Error: no such job in {manifest}: db-bakup (did you mean 'db-backup'?)\n"
+    assert keys_under(consul, "consulrun/") == []
+
+    assert finish(consulrun("run", "db-backup", "--", "true"))[0] == 0  # now Consul knows it
+    for verb in ("pause", "resume", "trigger"):
+        code, out, err = finish(consulrun(verb, "db-bakup"))
+        assert (code, out) == (6, ""), err
+        assert "no such job with state under consulrun/ in Consul: db-bakup (did you mean 'db-backup'?)" in err
+    code, _, err = finish(consulrun("pause", "db-bakup", "cache-wram"))
+    assert code == 6 and "db-bakup, cache-wram (did you mean 'db-backup' for 'db-bakup'?)" in err
+    for verb in ("status", "unlock", "history"):  # these refused typos already; now they suggest too
+        code, _, err = finish(consulrun(verb, "db-bakup", *(["--yes"] if verb == "unlock" else [])))
+        assert code == 6 and "(did you mean 'db-backup'?)" in err, (verb, err)
+    assert not [key for key in keys_under(consul, "consulrun/") if "bakup" in key]
+    code, out, _ = finish(consulrun("pause", "--all"))
+    assert code == 0 and out.startswith("db-backup: paused by ") and out.count("\n") == 1  # no phantom to pause
+
+
+def test_resume_of_a_job_that_is_not_paused_says_so(consul: Agent, tmp_path: Path) -> None:
+    manifest = jobs_of(tmp_path, "steady", "held-up")
+    assert finish(consulrun("pause", manifest, "held-up", "--reason", "disk full"))[0] == 0
+    code, out, err = finish(consulrun("resume", manifest, "steady", "held-up"))
+    assert code == 0, err
+    assert out.splitlines()[0] == "steady: not paused; nothing to resume"
+    assert out.splitlines()[1].startswith("held-up: resumed (paused by ") and out.endswith(": disk full)\n")
+    code, out, _ = finish(consulrun("resume", manifest, "held-up"))
+    assert (code, out) == (0, "held-up: not paused; nothing to resume\n")

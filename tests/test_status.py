@@ -479,3 +479,19 @@ def test_process_start_survives_odd_process_names() -> None:
         child.kill()
         child.wait()
     assert procinfo.process_start(child.pid) is None
+
+
+def test_a_paused_job_whose_last_run_failed_shows_both(consul: Agent) -> None:
+    assert finish(consulrun("run", "flaky", "--", "sh", "-c", "exit 3"))[0] == 3
+    assert finish(consulrun("pause", "flaky", "--reason", "looking into it"))[0] == 0
+    code, out, _ = cli("status", "flaky")
+    assert code == 1, out
+    assert out.splitlines()[1].split()[:3] == ["flaky", "failed,", "paused"]
+    assert "flaky: paused by " in out and ": looking into it" in out
+    code, out, _ = cli("status", "--json", "flaky")
+    job = json.loads(out)["jobs"][0]
+    assert code == 1 and job["verdict"] == "last_run_failed" and job["problems"][0]["kind"] == "failed"
+    assert job["state"] == "free" and job["paused"]["reason"] == "looking into it"
+    assert finish(consulrun("resume", "flaky"))[0] == 0
+    code, out, _ = cli("status", "flaky")
+    assert out.splitlines()[1].split()[:2] == ["flaky", "failed"] and "paused" not in out

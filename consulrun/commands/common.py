@@ -13,6 +13,9 @@ from consulrun.errors import UsageError, os_reason
 from consulrun.manifest.schema import name_problem
 
 if TYPE_CHECKING:
+    from collections.abc import Iterable
+
+    from consulrun.consul.client import Client
     from consulrun.manifest.loader import Manifest
 
 
@@ -61,6 +64,60 @@ def manifest_and_jobs(targets: tuple[str, ...]) -> tuple[Manifest | None, tuple[
         if problem:
             raise UsageError(problem)
     return loaded, targets
+
+
+def did_you_mean(names: Iterable[str], known: Iterable[str]) -> str:
+    """` (did you mean 'db-backup'?)` for the names that are close to a known job name, else ''."""
+    import difflib
+
+    names, known = list(names), sorted(set(known))
+    hints = []
+    for name in names:
+        close = difflib.get_close_matches(name, known, n=1)
+        if close:
+            hints.append(f"{close[0]!r}" + (f" for {name!r}" if len(names) > 1 else ""))
+    return f" (did you mean {', '.join(hints)}?)" if hints else ""
+
+
+def consul_jobs(client: Client, kv_prefix: str) -> set[str]:
+    """The jobs that have any state under `kv_prefix` in Consul (77 if ACLs hide some)."""
+    from consulrun.report.status import read_prefix
+
+    return set(read_prefix(client, kv_prefix.strip("/") + "/")[1])
+
+
+def check_jobs(jobs: Iterable[str], loaded: Manifest | None, client: Client | None, kv_prefix: str) -> None:
+    """Refuse (exit 6, with a "did you mean") a JOB that is not one: not in the manifest when one is given, else
+    with no state under the prefix in Consul; so a typo pauses (or resumes, triggers, forgets) no phantom."""
+    from consulrun.report.status import NoState
+
+    jobs = list(jobs)
+    if loaded is not None:
+        known, where = {job.name for job in loaded.jobs}, f"in {loaded.source}"
+    else:
+        assert client is not None, "without a manifest the jobs are Consul's"
+        known, where = consul_jobs(client, kv_prefix), f"with state under {kv_prefix.strip('/')}/ in Consul"
+    unknown = list(dict.fromkeys(job for job in jobs if job not in known and job != WATCHDOG_JOB))
+    if unknown:
+        raise NoState(f"no such job {where}: {', '.join(unknown)}{did_you_mean(unknown, known)}"
+                      + ("" if loaded else " (a job that has never run: give its MANIFEST)"))
+
+
+def with_suggestion(exc: Exception, jobs: Iterable[str], loaded: Manifest | None, client: Client,
+                    kv_prefix: str) -> Exception:
+    """`exc` (a NoState for JOBs with no state) with a "did you mean" from the manifest's and Consul's jobs."""
+    from consulrun.errors import ConsulrunError
+    from consulrun.report.status import NoState
+
+    if not isinstance(exc, NoState) or not jobs:
+        return exc
+    known = {job.name for job in loaded.jobs} if loaded else set()
+    try:
+        known |= consul_jobs(client, kv_prefix)
+    except ConsulrunError:
+        pass  # the suggestion is a courtesy: the error it adds to stands either way
+    hint = did_you_mean([job for job in jobs if job not in known], known)
+    return NoState(exc.format_message() + hint, exc.index) if hint else exc
 
 
 def to_json(data: object, compact: bool) -> str:

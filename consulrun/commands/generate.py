@@ -8,7 +8,7 @@ from pathlib import Path
 import click
 
 from consulrun.commands.common import default_consulrun_path, read_manifest
-from consulrun.commands.options import AbsolutePath, Folder
+from consulrun.commands.options import AbsolutePath, Folder, manifest_name_option
 from consulrun.errors import ExitCode
 
 
@@ -21,13 +21,23 @@ from consulrun.errors import ExitCode
               help="Folder with service.j2, timer.j2 and/or onfailure.j2 overriding the shipped templates.")
 @click.option("--consulrun-path", type=AbsolutePath(), default=default_consulrun_path, show_default="this consulrun",
               help="Absolute path of consulrun as the units' ExecStart= calls it.")
-def generate(manifest: Path, output: str, check: bool, templates: Path | None, consulrun_path: str) -> None:
-    """Render MANIFEST into <prefix>-<job>.service/.timer files. MANIFEST may be - (standard input)."""
+@manifest_name_option
+def generate(manifest: Path, output: str, check: bool, templates: Path | None, consulrun_path: str,
+             manifest_name: str | None) -> None:
+    """Render MANIFEST into <prefix>-<job>.service/.timer files. MANIFEST may be - (standard input).
+
+    Each file names the manifest it came from (`name:`, else the file name);
+    files in DIR that this manifest made and no longer makes are removed (and
+    listed), another manifest's are left alone, and one of another manifest's
+    in the way of a unit is refused (exit 2).
+    """
     from consulrun.units.guarantees import warnings
     from consulrun.units.install import plan
-    from consulrun.units.render import render, write_units
+    from consulrun.units.owner import named, owner
+    from consulrun.units.render import render, unowned_units, unowned_warning, write_units
 
     loaded, _ = read_manifest(manifest)
+    loaded = named(loaded, manifest_name)
     units = render(loaded, consulrun_path, templates)
     for line in warnings(loaded):
         click.echo(f"warning: {line}", err=True)
@@ -37,12 +47,18 @@ def generate(manifest: Path, output: str, check: bool, templates: Path | None, c
         return
     outdir = Path(output)
     if check:
-        diff = plan(units, outdir, loaded.unit_prefix).diff()
+        diff = plan(units, outdir, owner(loaded)).diff()
         if diff:
             click.echo(diff, nl=False)
             click.echo(f"{outdir} is out of date with {manifest}", err=True)
             sys.exit(ExitCode.FAILURE)
         click.echo(f"{outdir} is up to date")
         return
-    for path in write_units(units, outdir):
+    unowned = unowned_units(outdir, units, loaded.unit_prefix)
+    if unowned:
+        click.echo(f"warning: {unowned_warning(outdir, unowned)}", err=True)
+    written, removed = write_units(units, outdir, owner(loaded))
+    for path in written:
         click.echo(str(path))
+    for path in removed:
+        click.echo(f"removed {path}")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from consulrun.commands.common import manifest_and_jobs, to_json
+from consulrun.commands.common import manifest_and_jobs, to_json, with_suggestion
 from consulrun.commands.options import consul_config, consul_options
 from consulrun.errors import UsageError
 
@@ -34,8 +34,11 @@ def history(targets: tuple[str, ...], prefix: str | None, as_json: bool, limit: 
         raise UsageError("history takes one JOB, after an optional MANIFEST")
     kv_prefix = prefix or (loaded.kv_prefix if loaded else "consulrun")
     schedules = next((job.schedules for job in loaded.jobs if job.name == jobs[0]), ()) if loaded else ()
-    rows = past.runs(Client(consul_config(consul, loaded.consul if loaded else None)), kv_prefix, jobs[0], limit,
-                     schedules=schedules)
+    client = Client(consul_config(consul, loaded.consul if loaded else None))
+    try:
+        rows = past.runs(client, kv_prefix, jobs[0], limit, schedules=schedules)
+    except past.NoState as exc:
+        raise with_suggestion(exc, jobs, loaded, client, kv_prefix) from None
     if as_json:
         click.echo(to_json({"prefix": kv_prefix, "job": jobs[0], "runs": rows}, compact=False))
         return

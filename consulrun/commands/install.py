@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from consulrun.commands.options import AbsolutePath, Folder
+from consulrun.commands.options import AbsolutePath, Folder, manifest_name_option
 from consulrun.errors import ConsulrunError, UsageError
 
 if TYPE_CHECKING:
@@ -38,24 +38,28 @@ from consulrun.commands.common import default_consulrun_path, read_manifest
 @click.option("--parallel", type=click.IntRange(1, 256), default=10, show_default=True, help="Nodes at a time.")
 @click.option("--stdin-bundle", is_flag=True, hidden=True,
               help="Standard input is the JSON bundle `install --host --templates` sends: manifest and templates.")
+@manifest_name_option
 def install(manifest: Path, root: Path | None, unit_dir: Path, dry_run: bool, no_start: bool, templates: Path | None,
             consulrun_path: str, hosts: tuple[str, ...], hosts_file: Path | None,
-            ssh_options: tuple[str, ...], parallel: int, stdin_bundle: bool) -> None:
+            ssh_options: tuple[str, ...], parallel: int, stdin_bundle: bool, manifest_name: str | None) -> None:
     """Install MANIFEST's units on this node, or on each --host over ssh.
 
     Writes only units it generated (a foreign file with one of their names is
-    an error), removes its units for jobs no longer in the manifest, runs
+    an error, another manifest's is refused with exit 2), removes (and lists)
+    this manifest's units for jobs no longer in it, never another's, runs
     systemctl daemon-reload and enables (and starts) the timers. A second run
     with the same manifest changes nothing. If anything fails, the previous
     units are put back. MANIFEST may be - (standard input).
     """
+    from consulrun.units.owner import named, owner
     from consulrun.units.remote import make_bundle, read_hosts
 
     if stdin_bundle:
         _install_bundle(manifest, root=root, unit_dir=unit_dir, dry_run=dry_run, no_start=no_start,
-                        consulrun_path=consulrun_path)
+                        consulrun_path=consulrun_path, manifest_name=manifest_name)
         return
     loaded, text = read_manifest(manifest)
+    loaded = named(loaded, manifest_name)
     targets = read_hosts(hosts, hosts_file) if hosts or hosts_file else None
     if targets is not None:
         if not targets.names:
@@ -63,7 +67,8 @@ def install(manifest: Path, root: Path | None, unit_dir: Path, dry_run: bool, no
         for host in targets.duplicates:
             click.echo(f"warning: {host} is listed more than once; installing there once", err=True)
         flags = (["--dry-run"] if dry_run else []) + (["--no-start"] if no_start else []) + \
-            (["--root", str(root)] if root else []) + ["--unit-dir", str(unit_dir), "--consulrun-path", consulrun_path]
+            (["--root", str(root)] if root else []) + ["--unit-dir", str(unit_dir), "--consulrun-path", consulrun_path,
+                                                       "--name", owner(loaded)]  # the node reads it from stdin
         if templates is not None:  # the override templates go along with the manifest, on standard input
             text = make_bundle(text, templates)
             flags.append("--stdin-bundle")
@@ -74,18 +79,19 @@ def install(manifest: Path, root: Path | None, unit_dir: Path, dry_run: bool, no
                   consulrun_path=consulrun_path)
 
 
-def _install_bundle(manifest: Path, **options: Any) -> None:
+def _install_bundle(manifest: Path, manifest_name: str | None, **options: Any) -> None:
     """The node's side of `install --host --templates`: templates into a private folder, then the local install."""
     import tempfile
 
     from consulrun.manifest.loader import parse_manifest
     from consulrun.units.remote import open_bundle
+    from consulrun.units.owner import named
 
     if str(manifest) != "-":
         raise UsageError("--stdin-bundle reads standard input: give MANIFEST as -")
     with tempfile.TemporaryDirectory(prefix="consulrun-templates-") as folder:
         text = open_bundle(sys.stdin.read(), Path(folder))
-        _print_report(parse_manifest(text, "<stdin>"), templates=Path(folder), **options)
+        _print_report(named(parse_manifest(text, "<stdin>"), manifest_name), templates=Path(folder), **options)
 
 
 def _print_report(loaded: "Manifest", *, root: Path | None, unit_dir: Path, dry_run: bool, no_start: bool,

@@ -82,6 +82,12 @@ class Folder(click.ParamType):
         return path
 
 
+manifest_name_option = click.option(
+    "--name", "manifest_name", default=None, metavar="NAME",
+    help="The manifest's name, which its units carry, when it has no `name:` [default: its file name without the "
+         "extension; needed for standard input].")
+
+
 CONSUL_OPTIONS = [
     click.option("--http-addr", envvar="CONSUL_HTTP_ADDR", show_envvar=True, metavar="ADDRESS",
                  help="Address of the local Consul agent: [http[s]://]HOST[:PORT], an IPv6 HOST in brackets "

@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import click
 
-from consulrun.commands.common import manifest_and_jobs
+from consulrun.commands.common import check_jobs, manifest_and_jobs
 from consulrun.commands.options import Duration, KvPrefix, consul_config, consul_options
 from consulrun.errors import UsageError
 
 
 def pause_targets(targets: tuple[str, ...], all_jobs: bool, prefix: str | None,
                    consul: dict[str, str | None]) -> tuple[object, str, list[str]]:
-    """(client, kv prefix, jobs) for pause/resume: JOBs named, or --all of the manifest's (else of Consul's)."""
+    """(client, kv prefix, jobs) for pause/resume: JOBs named (each one of the manifest's, else one with state in
+    Consul), or --all of the manifest's (else of Consul's)."""
     from consulrun.consul.client import Client
     from consulrun.report import status as state
 
@@ -25,6 +26,8 @@ def pause_targets(targets: tuple[str, ...], all_jobs: bool, prefix: str | None,
             client, kv_prefix.strip("/") + "/")[1]))
         if not jobs:
             raise state.NoState(f"no job has any state under {kv_prefix}/ in Consul")
+    else:
+        check_jobs(jobs, loaded, client, kv_prefix)
     return client, kv_prefix.strip("/"), list(dict.fromkeys(jobs))  # a job named twice is one job
 
 

@@ -17,7 +17,16 @@ def resume(targets: tuple[str, ...], all_jobs: bool, prefix: str | None, **consu
     """End the pause of JOBs: their next occurrence runs as scheduled (skipped ones are not run again)."""
     from consulrun.protocol import pause as pausing
 
+    from datetime import datetime, timezone
+
     client, kv_prefix, jobs = pause_targets(targets, all_jobs, prefix, consul)
-    pausing.resume(client, kv_prefix, jobs)
+    now = datetime.now(timezone.utc)
+    ended = pausing.resume(client, kv_prefix, jobs, now=now)
     for job in jobs:
-        click.echo(f"{job}: resumed")
+        if job not in ended:
+            click.echo(f"{job}: not paused; nothing to resume")
+        elif not pausing.in_force(ended[job], now):
+            click.echo(f"{job}: not paused (its pause ran out by itself at {ended[job].get('until')}); "
+                       "nothing to resume")
+        else:
+            click.echo(f"{job}: resumed ({pausing.why(ended[job])})")

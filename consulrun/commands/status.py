@@ -6,7 +6,7 @@ import sys
 
 import click
 
-from consulrun.commands.common import interruptible, manifest_and_jobs, to_json
+from consulrun.commands.common import interruptible, manifest_and_jobs, to_json, with_suggestion
 from consulrun.commands.options import Duration, consul_config, consul_options
 from consulrun.errors import ConsulrunError, UsageError
 
@@ -58,7 +58,10 @@ def status(targets: tuple[str, ...], prefix: str | None, as_json: bool, watch: b
             _watch_status(lambda: Client(consul_config(dict(consul), loaded.consul if loaded else None)), kv_prefix,
                           loaded, jobs, as_json, grace / 1000)
         client = Client(consul_config(consul, loaded.consul if loaded else None))
-        _, statuses = state.collect(client, kv_prefix, loaded, only=jobs, grace_s=grace / 1000)
+        try:
+            _, statuses = state.collect(client, kv_prefix, loaded, only=jobs, grace_s=grace / 1000)
+        except state.NoState as exc:
+            raise with_suggestion(exc, jobs, loaded, client, kv_prefix) from None
     except ConsulrunError as exc:
         if as_json:  # a monitoring parser gets an answer it cannot take for "all well"
             click.echo(to_json(state.error_json(kv_prefix, exc, datetime.now(timezone.utc)), compact=False))

@@ -6,7 +6,7 @@ import sys
 
 import click
 
-from consulrun.commands.common import default_consulrun_path, manifest_and_jobs
+from consulrun.commands.common import check_jobs, default_consulrun_path, manifest_and_jobs
 from consulrun.commands.options import Duration, KvPrefix, consul_config, consul_options
 from consulrun.errors import ConsulrunError, ExitCode, UsageError
 
@@ -36,12 +36,16 @@ def trigger(targets: tuple[str, ...], wait_ms: int, unit: str | None, host: str 
     if host:
         from consulrun.units.remote import run_remote
 
+        if loaded:  # without one, the node's own trigger checks JOB against its Consul
+            check_jobs(jobs, loaded, None, kv_prefix)
+
         argv = ["trigger", "--wait", f"{wait_ms}ms", "--unit", unit, "--prefix", kv_prefix, job]
         sys.exit(run_remote(host, argv, consul_path=default_consulrun_path()))  # the same consulrun path as units
     from consulrun.consul.client import Client
     from consulrun.protocol.trigger import systemctl_start, trigger as run_trigger
 
     client = Client(consul_config(consul, loaded.consul if loaded else None))
+    check_jobs(jobs, loaded, client, kv_prefix)
     outcome = run_trigger(client, f"{kv_prefix}/{job}", unit, wait_s=wait_ms / 1000, start_unit=systemctl_start)
     record = outcome.record
     if record is None:

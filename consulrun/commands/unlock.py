@@ -6,7 +6,7 @@ import logging
 
 import click
 
-from consulrun.commands.common import manifest_and_jobs
+from consulrun.commands.common import manifest_and_jobs, with_suggestion
 from consulrun.commands.options import consul_config, consul_options
 from consulrun.commands.runargs import setup_logging as _setup_logging
 from consulrun.errors import ConsulrunError, UsageError
@@ -38,7 +38,10 @@ def unlock(targets: tuple[str, ...], prefix: str | None, yes: bool, force: bool,
     job = jobs[0]
     kv_prefix = prefix or (loaded.kv_prefix if loaded else "consulrun")
     client = Client(consul_config(consul, loaded.consul if loaded else None))
-    holders = state.job_holders(client, kv_prefix, job)
+    try:
+        holders = state.job_holders(client, kv_prefix, job)
+    except state.NoState as exc:
+        raise with_suggestion(exc, jobs, loaded, client, kv_prefix) from None
     if not holders:
         click.echo(f"{job} is not locked")
         return

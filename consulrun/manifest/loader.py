@@ -89,6 +89,7 @@ class Manifest:
     consul: ConsulSettings
     jobs: tuple[Job, ...]
     health_checks: bool = False  # each job's state as a Consul health check, and the watchdog units
+    name: str | None = None  # the top-level `name:`: which manifest owns the units (see units.owner)
 
 
 class _Problems:
@@ -402,6 +403,7 @@ def _build(source: str, data: dict[str, Any], problems: _Problems) -> Manifest:
         consul=ConsulSettings(**data.get("consul", {})),
         jobs=tuple(jobs),
         health_checks=bool(data.get("health_checks", False)),
+        name=data.get("name"),
     )
 
 

@@ -175,11 +175,25 @@ def pause(client: Client, prefix: str, jobs: list[str], *, for_ms: int | None, r
     return value
 
 
-def resume(client: Client, prefix: str, jobs: list[str], now: datetime | None = None) -> None:
-    """End the pause of `jobs` in one transaction, filing each as an episode (a job not paused is no error)."""
+def resume(client: Client, prefix: str, jobs: list[str], now: datetime | None = None) -> dict[str, dict[str, Any]]:
+    """End the pause of `jobs` in one transaction, filing each as an episode (a job not paused is no error).
+
+    Returns the pauses it ended, job -> the pause's value as read (a pause
+    that had run out by itself included); a job not in it was not paused.
+    """
     now = now or datetime.now(timezone.utc)
-    _apply(client, jobs, prefix, lambda base, entry, filed: [
-        *_filing_ops(base, entry, filed, now), *([kv_op("delete", pause_key(base))] if entry else [])], "resume")
+    found: dict[str, dict[str, Any]] = {}
+
+    def ops_for(base: str, entry: dict[str, Any] | None, filed: list[str]) -> list[dict[str, Any]]:
+        job = base[len(prefix) + 1:]
+        if entry is None:
+            found.pop(job, None)  # read again after a refused transaction: what the last read saw counts
+            return []
+        found[job] = value_of(entry) or {}
+        return [*_filing_ops(base, entry, filed, now), kv_op("delete", pause_key(base))]
+
+    _apply(client, jobs, prefix, ops_for, "resume")
+    return found
 
 
 def episodes(keys: dict[str, dict[str, Any]], now: datetime) -> list[dict[str, Any]]:

@@ -395,6 +395,8 @@ def table(statuses: list[JobStatus], now: datetime) -> list[list[str]]:
         worst = s.health()
         kind = next((p["kind"] for p in s.problems if PROBLEM_HEALTH[p["kind"]] == worst), None)
         state = kind or ("paused" if s.paused else s.state)
+        if kind and s.paused:  # a paused job whose last run failed: both, the problem first
+            state = f"{kind}, paused"
         rows.append([s.job, state + (f" ({len(s.holders)})" if len(s.holders) > 1 else ""),
                      holder.get("node") or "-", cell(holder.get("since"), now),
                      holder.get("health", "-") if holder else "-", cell(last.get("occurrence"), now), result or "-",
