@@ -20,7 +20,7 @@ import yaml
 from tests.conftest import REPO, require_tool
 from tests.harness.agents import wait_for
 from tests.harness.netns import Network
-from tests.harness.nspawn import Container
+from tests.harness.nspawn import Container, tear_down
 
 pytestmark = [pytest.mark.systemd, pytest.mark.consul, pytest.mark.slow]
 
@@ -62,11 +62,7 @@ def node(consul_bin: str, deb: Path, tmp_path_factory: pytest.TempPathFactory) -
                  "the container's Consul agent to elect itself leader")
         yield ctr
     finally:
-        if agent:
-            Container.end_spawned(agent)
-        if ctr:
-            ctr.stop()
-        network.down()
+        tear_down(ctr, agent, network)
 
 
 def test_same_input_gives_the_same_package(deb: Path) -> None:

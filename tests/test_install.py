@@ -21,7 +21,7 @@ from tests.conftest import artifact_dir, container_binds, require_tool
 from tests.harness.agents import consul_binary as consul_bin_path
 from tests.harness.agents import wait_for
 from tests.harness.netns import Network
-from tests.harness.nspawn import Container
+from tests.harness.nspawn import Container, tear_down
 
 pytestmark = [pytest.mark.systemd, pytest.mark.consul]
 
@@ -65,11 +65,7 @@ def agent_node(consul_bin: str, workdir: Path, subnet: str, tag: str) -> Iterato
                             workdir / "consul.log")
         yield ctr
     finally:
-        if agent:
-            Container.end_spawned(agent)
-        if ctr:
-            ctr.stop()
-        network.down()
+        tear_down(ctr, agent, network)
 
 
 @pytest.fixture(scope="module")

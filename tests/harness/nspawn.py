@@ -14,6 +14,7 @@ import signal
 import subprocess
 import time
 from pathlib import Path
+from typing import Any
 
 CGROUP_ROOTS = [Path("/sys/fs/cgroup/systemd"), Path("/sys/fs/cgroup/unified")]
 # Units the host image enables that a test container has no use for; masked to keep boots fast.
@@ -176,3 +177,13 @@ class Container:
                 path.rmdir()
             except OSError:
                 pass
+
+
+def tear_down(ctr: "Container | None", agent: "subprocess.Popen[bytes] | None", network: Any) -> None:
+    """The end of a one-node fixture: its agent first (really stopped, see `end_spawned`), then the node, then
+    its network; each part only if it was made."""
+    if agent:
+        Container.end_spawned(agent)
+    if ctr:
+        ctr.stop()
+    network.down()
