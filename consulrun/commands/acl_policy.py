@@ -7,14 +7,13 @@ from pathlib import Path
 import click
 
 from consulrun.commands.common import read_manifest
-from consulrun.commands.options import KvPrefix
+from consulrun.commands.options import manifest_prefix_option
 from consulrun.errors import UsageError
 
 
 @click.command("acl-policy")
 @click.argument("manifest", required=False, type=click.Path(allow_dash=True, path_type=Path))
-@click.option("--prefix", type=KvPrefix(), default=None,
-              help="KV prefix [default: the manifest's kv_prefix, else consulrun].")
+@manifest_prefix_option
 @click.option("--node", "node", default=None, metavar="NAME",
               help="The policy of node NAME (its agent's node name): run, skip, take over, reap, and the watchdog "
                    "with health_checks; its sessions and its agent only.")

@@ -8,7 +8,7 @@ from pathlib import Path
 import click
 
 from consulrun.commands.common import interruptible
-from consulrun.commands.options import Duration, KvPrefix, consul_config, consul_options
+from consulrun.commands.options import Duration, consul_config, consul_options, manifest_prefix_option
 from consulrun.commands.runargs import setup_logging as _setup_logging
 from consulrun.errors import ConsulrunError, UsageError
 
@@ -17,8 +17,7 @@ EXPORTER_LISTEN = "127.0.0.1:9785"
 
 @click.command()
 @click.argument("manifest", required=False, type=click.Path(dir_okay=False, path_type=Path))
-@click.option("--prefix", type=KvPrefix(), default=None,
-              help="KV prefix [default: the manifest's kv_prefix, else consulrun].")
+@manifest_prefix_option
 @click.option("--listen", default=EXPORTER_LISTEN, show_default=True, metavar="HOST:PORT",
               help="Address to serve /metrics on (:PORT for all addresses, [IPV6]:PORT).")
 @click.option("--textfile", metavar="PATH",

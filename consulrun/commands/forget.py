@@ -5,14 +5,14 @@ from __future__ import annotations
 import click
 
 from consulrun.commands.common import check_jobs, manifest_and_jobs
-from consulrun.commands.options import KvPrefix, consul_config, consul_options
+from consulrun.commands.options import consul_config, consul_options, manifest_prefix_option, yes_option
 from consulrun.errors import ConsulrunError, UsageError
 
 
 @click.command()
 @click.argument("targets", nargs=-1, required=True, metavar="[MANIFEST] JOB")
-@click.option("--prefix", type=KvPrefix(), default=None, help="KV prefix [default: the manifest's kv_prefix, else consulrun].")
-@click.option("--yes", is_flag=True, help="Do not ask for confirmation.")
+@manifest_prefix_option
+@yes_option
 @consul_options
 def forget(targets: tuple[str, ...], prefix: str | None, yes: bool, **consul: str | None) -> None:
     """Delete every key of JOB under the prefix (lock, occurrence, history, pauses) and its health check.

@@ -7,8 +7,12 @@ from pathlib import Path
 
 import click
 
-from consulrun.commands.common import default_consulrun_path, read_manifest
-from consulrun.commands.options import AbsolutePath, Folder, manifest_name_option
+from consulrun.commands.common import read_manifest
+from consulrun.commands.options import (
+    consulrun_path_option,
+    manifest_name_option,
+    templates_option,
+)
 from consulrun.errors import ExitCode
 
 
@@ -17,10 +21,8 @@ from consulrun.errors import ExitCode
 @click.option("-o", "--output", "output", required=True, metavar="DIR",
               help="Folder to write the units into, or - to print them.")
 @click.option("--check", is_flag=True, help="Change nothing; print a diff and exit 1 if DIR is out of date.")
-@click.option("--templates", type=Folder(),
-              help="Folder with service.j2, timer.j2 and/or onfailure.j2 overriding the shipped templates.")
-@click.option("--consulrun-path", type=AbsolutePath(), default=default_consulrun_path, show_default="this consulrun",
-              help="Absolute path of consulrun as the units' ExecStart= calls it.")
+@templates_option
+@consulrun_path_option("Absolute path of consulrun as the units' ExecStart= calls it.")
 @manifest_name_option
 def generate(manifest: Path, output: str, check: bool, templates: Path | None, consulrun_path: str,
              manifest_name: str | None) -> None:

@@ -8,12 +8,12 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from consulrun.commands.options import AbsolutePath, Folder, manifest_name_option
+from consulrun.commands.options import Folder, consulrun_path_option, manifest_name_option
 from consulrun.errors import ConsulrunError, UsageError
 
 if TYPE_CHECKING:
     from consulrun.manifest.loader import Manifest
-from consulrun.commands.common import default_consulrun_path, read_manifest
+from consulrun.commands.common import read_manifest
 
 
 @click.command()
@@ -28,8 +28,7 @@ from consulrun.commands.common import default_consulrun_path, read_manifest
 @click.option("--templates", type=Folder(),
               help="Folder with service.j2, timer.j2 and/or onfailure.j2 overriding the shipped templates "
                    "(sent along with --host).")
-@click.option("--consulrun-path", type=AbsolutePath(), default=default_consulrun_path, show_default="this consulrun",
-              help="Absolute path of consulrun on the node(s), as units call it.")
+@consulrun_path_option("Absolute path of consulrun on the node(s), as units call it.")
 @click.option("--host", "hosts", multiple=True, metavar="NODE",
               help="Install on NODE ([USER@]HOST) over ssh (repeatable; a node given twice is installed once).")
 @click.option("--hosts-file", type=click.Path(dir_okay=False, path_type=Path),
@@ -84,8 +83,8 @@ def _install_bundle(manifest: Path, manifest_name: str | None, **options: Any) -
     import tempfile
 
     from consulrun.manifest.loader import parse_manifest
-    from consulrun.units.remote import open_bundle
     from consulrun.units.owner import named
+    from consulrun.units.remote import open_bundle
 
     if str(manifest) != "-":
         raise UsageError("--stdin-bundle reads standard input: give MANIFEST as -")

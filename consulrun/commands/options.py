@@ -82,6 +82,28 @@ class Folder(click.ParamType):
         return path
 
 
+# The options several commands share, each defined once.
+manifest_prefix_option = click.option(
+    "--prefix", type=KvPrefix(), default=None, help="KV prefix [default: the manifest's kv_prefix, else consulrun].")
+job_prefix_option = click.option(
+    "--prefix", type=KvPrefix(), default="consulrun", show_default=True,
+    help="KV prefix; the job's keys are <prefix>/<JOB>/.")
+all_jobs_option = click.option(
+    "--all", "all_jobs", is_flag=True, help="Every job of the manifest (without one: every job in Consul).")
+yes_option = click.option("--yes", is_flag=True, help="Do not ask for confirmation.")
+templates_option = click.option(
+    "--templates", type=Folder(),
+    help="Folder with service.j2, timer.j2 and/or onfailure.j2 overriding the shipped templates.")
+
+
+def consulrun_path_option(help_text: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """`--consulrun-path`: where the units' ExecStart= finds consulrun (default: the consulrun running now)."""
+    from consulrun.commands.common import default_consulrun_path
+
+    return click.option("--consulrun-path", type=AbsolutePath(), default=default_consulrun_path,
+                        show_default="this consulrun", help=help_text)
+
+
 manifest_name_option = click.option(
     "--name", "manifest_name", default=None, metavar="NAME",
     help="The manifest's name, which its units carry, when it has no `name:` [default: its file name without the "

@@ -5,7 +5,13 @@ from __future__ import annotations
 import click
 
 from consulrun.commands.common import check_jobs, manifest_and_jobs
-from consulrun.commands.options import Duration, KvPrefix, consul_config, consul_options
+from consulrun.commands.options import (
+    Duration,
+    all_jobs_option,
+    consul_config,
+    consul_options,
+    manifest_prefix_option,
+)
 from consulrun.errors import UsageError
 
 
@@ -33,11 +39,11 @@ def pause_targets(targets: tuple[str, ...], all_jobs: bool, prefix: str | None,
 
 @click.command()
 @click.argument("targets", nargs=-1, metavar="[MANIFEST] [JOB]...")
-@click.option("--all", "all_jobs", is_flag=True, help="Every job of the manifest (without one: every job in Consul).")
+@all_jobs_option
 @click.option("--for", "for_ms", type=Duration(), default=None, metavar="DURATION",
               help="End the pause by itself after this long (e.g. 2h); default: until `resume`.")
 @click.option("--reason", default=None, help="Why, shown by status and history.")
-@click.option("--prefix", type=KvPrefix(), default=None, help="KV prefix [default: the manifest's kv_prefix, else consulrun].")
+@manifest_prefix_option
 @consul_options
 def pause(targets: tuple[str, ...], all_jobs: bool, for_ms: int | None, reason: str | None, prefix: str | None,
           **consul: str | None) -> None:

@@ -5,14 +5,13 @@ from __future__ import annotations
 import click
 
 from consulrun.commands.common import job_problem
-from consulrun.commands.options import KvPrefix, agent_options, consul_config
+from consulrun.commands.options import agent_options, consul_config, job_prefix_option
 from consulrun.commands.runargs import setup_logging as _setup_logging
 from consulrun.errors import UsageError
 
 
 @click.command()
-@click.option("--prefix", type=KvPrefix(), default="consulrun", show_default=True,
-              help="KV prefix; the job's keys are <prefix>/<JOB>/.")
+@job_prefix_option
 @click.option("--concurrency", type=click.IntRange(1, 1000), default=1, show_default=True,
               help="The job's concurrency (which lock keys to look at).")
 @agent_options

@@ -4,20 +4,20 @@ from __future__ import annotations
 
 import click
 
-from consulrun.commands.options import KvPrefix, consul_options
+from consulrun.commands.options import all_jobs_option, consul_options, manifest_prefix_option
 from consulrun.commands.pause import pause_targets
 
 
 @click.command()
 @click.argument("targets", nargs=-1, metavar="[MANIFEST] [JOB]...")
-@click.option("--all", "all_jobs", is_flag=True, help="Every job of the manifest (without one: every job in Consul).")
-@click.option("--prefix", type=KvPrefix(), default=None, help="KV prefix [default: the manifest's kv_prefix, else consulrun].")
+@all_jobs_option
+@manifest_prefix_option
 @consul_options
 def resume(targets: tuple[str, ...], all_jobs: bool, prefix: str | None, **consul: str | None) -> None:
     """End the pause of JOBs: their next occurrence runs as scheduled (skipped ones are not run again)."""
-    from consulrun.protocol import pause as pausing
-
     from datetime import datetime, timezone
+
+    from consulrun.protocol import pause as pausing
 
     client, kv_prefix, jobs = pause_targets(targets, all_jobs, prefix, consul)
     now = datetime.now(timezone.utc)

@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import click
 
-from consulrun.commands.options import Duration, KvPrefix, agent_options
+from consulrun.commands.options import Duration, agent_options, job_prefix_option
 from consulrun.commands.runargs import start
 from consulrun.manifest.durations import LOCK_DELAY_RANGE_MS, TTL_RANGE_MS, range_text
 
 
 @click.command(context_settings={"allow_interspersed_args": False})
-@click.option("--prefix", type=KvPrefix(), default="consulrun", show_default=True,
-              help="KV prefix; the job's keys are <prefix>/<JOB>/.")
+@job_prefix_option
 @click.option("--ttl", type=Duration(TTL_RANGE_MS), default="15s", show_default=True,
               help=f"Session TTL ({range_text(TTL_RANGE_MS)}).")
 @click.option("--lock-delay", type=Duration(LOCK_DELAY_RANGE_MS), default="15s", show_default=True,

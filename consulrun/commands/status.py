@@ -7,7 +7,7 @@ import sys
 import click
 
 from consulrun.commands.common import interruptible, manifest_and_jobs, to_json, with_suggestion
-from consulrun.commands.options import Duration, consul_config, consul_options
+from consulrun.commands.options import Duration, consul_config, consul_options, manifest_prefix_option
 from consulrun.errors import ConsulrunError, UsageError
 
 STATUS_EXIT_HELP = """
@@ -28,7 +28,7 @@ Exit status (for monitoring checks; the first that applies wins):
 
 @click.command(epilog=STATUS_EXIT_HELP)
 @click.argument("targets", nargs=-1, metavar="[MANIFEST] [JOB]...")
-@click.option("--prefix", default=None, help="KV prefix [default: the manifest's kv_prefix, else consulrun].")
+@manifest_prefix_option
 @click.option("--json", "as_json", is_flag=True, help="Print the documented JSON structure instead of a table.")
 @click.option("--watch", is_flag=True,
               help="Redraw whenever Consul's state changes (blocking queries) and at least every 10s; Ctrl-C ends it.")

@@ -7,7 +7,7 @@ import sys
 import click
 
 from consulrun.commands.common import check_jobs, default_consulrun_path, manifest_and_jobs
-from consulrun.commands.options import Duration, KvPrefix, consul_config, consul_options
+from consulrun.commands.options import Duration, consul_config, consul_options, manifest_prefix_option
 from consulrun.errors import ConsulrunError, ExitCode, UsageError
 
 
@@ -17,7 +17,7 @@ from consulrun.errors import ConsulrunError, ExitCode, UsageError
               help="If the job is running, wait up to this long for it to end, then trigger.")
 @click.option("--unit", default=None, help="The job's service unit [default: <unit_prefix>-<JOB>.service].")
 @click.option("--host", default=None, metavar="NODE", help="Trigger on NODE over ssh instead of this node.")
-@click.option("--prefix", type=KvPrefix(), default=None, help="KV prefix [default: the manifest's kv_prefix, else consulrun].")
+@manifest_prefix_option
 @consul_options
 def trigger(targets: tuple[str, ...], wait_ms: int, unit: str | None, host: str | None, prefix: str | None,
             **consul: str | None) -> None:

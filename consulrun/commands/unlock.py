@@ -7,15 +7,15 @@ import logging
 import click
 
 from consulrun.commands.common import manifest_and_jobs, with_suggestion
-from consulrun.commands.options import consul_config, consul_options
+from consulrun.commands.options import consul_config, consul_options, manifest_prefix_option, yes_option
 from consulrun.commands.runargs import setup_logging as _setup_logging
 from consulrun.errors import ConsulrunError, UsageError
 
 
 @click.command()
 @click.argument("targets", nargs=-1, required=True, metavar="[MANIFEST] JOB")
-@click.option("--prefix", default=None, help="KV prefix [default: the manifest's kv_prefix, else consulrun].")
-@click.option("--yes", is_flag=True, help="Do not ask for confirmation.")
+@manifest_prefix_option
+@yes_option
 @click.option("--force", is_flag=True, help="Break the lock even if its holder looks healthy.")
 @consul_options
 def unlock(targets: tuple[str, ...], prefix: str | None, yes: bool, force: bool, **consul: str | None) -> None:

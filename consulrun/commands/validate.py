@@ -6,16 +6,18 @@ from pathlib import Path
 
 import click
 
-from consulrun.commands.common import default_consulrun_path, read_manifest
-from consulrun.commands.options import AbsolutePath, Folder, manifest_name_option
+from consulrun.commands.common import read_manifest
+from consulrun.commands.options import (
+    consulrun_path_option,
+    manifest_name_option,
+    templates_option,
+)
 
 
 @click.command()
 @click.argument("manifest", type=click.Path(allow_dash=True, path_type=Path))
-@click.option("--templates", type=Folder(),
-              help="Folder with service.j2, timer.j2 and/or onfailure.j2 overriding the shipped templates.")
-@click.option("--consulrun-path", type=AbsolutePath(), default=default_consulrun_path, show_default="this consulrun",
-              help="Absolute path of consulrun as the units' ExecStart= would call it.")
+@templates_option
+@consulrun_path_option("Absolute path of consulrun as the units' ExecStart= would call it.")
 @manifest_name_option
 def validate(manifest: Path, templates: Path | None, consulrun_path: str, manifest_name: str | None) -> None:
     """Check MANIFEST as `generate` does (schema, schedules, every unit rendered) and print its warnings.

@@ -8,15 +8,14 @@ from pathlib import Path
 import click
 
 from consulrun.commands.common import read_manifest
-from consulrun.commands.options import Duration, KvPrefix, consul_config, consul_options
+from consulrun.commands.options import Duration, consul_config, consul_options, manifest_prefix_option
 from consulrun.commands.runargs import setup_logging as _setup_logging
 from consulrun.errors import UsageError, os_reason
 
 
 @click.command()
 @click.argument("manifest", required=False, type=click.Path(allow_dash=True, path_type=Path))
-@click.option("--prefix", type=KvPrefix(), default=None,
-              help="KV prefix [default: the manifest's kv_prefix, else consulrun].")
+@manifest_prefix_option
 @click.option("--jobs", "jobs_json", metavar="JSON", default=None,
               help="The jobs' schedules, timers and timeouts as JSON (instead of MANIFEST).")
 @click.option("--jobs-file", type=click.Path(path_type=Path), default=None,
