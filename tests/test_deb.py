@@ -54,7 +54,8 @@ def node(consul_bin: str, deb: Path, tmp_path_factory: pytest.TempPathFactory) -
     try:
         ctr = Container(f"crk{os.getpid() % 100000}", workdir, netns=network.namespace(0),
                         binds=[Path(consul_bin).parent]).start()
-        ctr.exec("mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(REPO))  # the checkout and its venv
+        # The checkout and its venv, where the container sees them (not under /tmp: the container has its own).
+        ctr.exec("sh", "-c", f'test ! -d "{REPO}" || mount -t tmpfs -o size=1m tmpfs "{REPO}"')
         (ctr.shared / deb.name).write_bytes(deb.read_bytes())
         agent = ctr.spawn(consul_bin, "agent", "-dev", "-node", "debnode", "-client", "127.0.0.1", "-bind",
                           "127.0.0.1", "-hcl", "disable_update_check = true", log=workdir / "consul.log")

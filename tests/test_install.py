@@ -231,7 +231,7 @@ def test_load_credential_root_only_token_with_another_user(node: Container) -> N
     assert node.exec("stat", "-c", "%a %U", "/etc/consulrun/token").stdout.split() == ["600", "root"]
     job = {"command": ["sh", "-c", 'echo "user=$(id -un) token=$(cat "$CONSUL_HTTP_TOKEN_FILE")"; '
                                    "cat /etc/consulrun/token || echo direct-read-refused"],
-           "schedule": "*-01-01 00:00:00", "user": "cruser"}
+           "schedule": "*-01-01 00:00:00", "user": "cruser", "pass_consul_token": True}  # the job asks for it
     result = install(node, manifest({"cred": job}, consul={"token_file": "/etc/consulrun/token"}))
     assert result.returncode == 0, result.stderr
     unit = (node.unit_dir / "consulrun-cred.service").read_text()
@@ -376,9 +376,10 @@ def test_per_job_unit_settings_and_shell_reach_the_running_job(node: Container) 
     """service: settings (from defaults and the job), a timer: setting and shell: true, on a real systemd."""
     out = node.shared / "settings"
     out.unlink(missing_ok=True)
+    node.exec("sh", "-c", "printf 'hello world' > /etc/greeting")  # SetCredential= is refused: it is in the unit
     job = {"command": "echo $(nice) $(umask) $(cat \"$CREDENTIALS_DIRECTORY/greeting\") | tee -a /shared/settings",
            "shell": True, "schedule": "*:*:0/2",
-           "service": {"Nice": 7, "SetCredential": "greeting:hello world", "CPUQuota": "50%"},
+           "service": {"Nice": 7, "LoadCredential": "greeting:/etc/greeting", "CPUQuota": "50%"},
            "timer": {"WakeSystem": False}}
     text = manifest({"tuned": job}, defaults={"lock": {"ttl": "10s", "lock_delay": "5s"}, "timer": {"accuracy": "1s"},
                                               "service": {"UMask": "0027", "Nice": 3}})
