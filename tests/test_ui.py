@@ -32,6 +32,23 @@ def chromium(url: str, *args: str) -> subprocess.CompletedProcess[str]:
     return result
 
 
+def rendered(url: str, marker: str, timeout: float = 90) -> str:
+    """The DOM of `url` once the UI has rendered `marker`: a page dumped while the UI still loads (its
+    `ember-loading` shell, seen on a busy machine) is asked for again, within `timeout`."""
+    dom = ""
+
+    def shows() -> bool:
+        nonlocal dom
+        dom = chromium(url, "--dump-dom").stdout
+        return marker in dom
+
+    try:
+        wait_for(shows, timeout, f"the UI to render {marker!r} at {url}", interval=1)
+    except TimeoutError:  # the assertion that follows says what was shown instead
+        pass
+    return dom
+
+
 def test_ui_shows_job_key_holder_node_and_session(consul: Agent, tmp_path: Path, artifacts: Path) -> None:
     started = tmp_path / "started"
     holder = consulrun("run", "billing-report", "--", "sh", "-c", f"touch {started}; sleep 120")
@@ -42,7 +59,7 @@ def test_ui_shows_job_key_holder_node_and_session(consul: Agent, tmp_path: Path,
         value = base64.b64decode(entry["Value"]).decode()
         assert json.loads(value)["node"] == "dev1" and value.startswith("{\n  ")  # indented: readable in the editor
         url = f"{consul.url}/ui/dc1/kv/consulrun/billing-report/lock/edit"
-        dom = chromium(url, "--dump-dom").stdout
+        dom = rendered(url, "consulrun:billing-report@dev1")
         (artifacts / "kv-lock.html").write_text(dom)
         assert "consulrun:billing-report@dev1" in dom  # the Lock Session panel: job and node in the session name
         assert session in dom
@@ -50,7 +67,7 @@ def test_ui_shows_job_key_holder_node_and_session(consul: Agent, tmp_path: Path,
         shot = artifacts / "consul-ui-lock.png"
         result = chromium(url, f"--screenshot={shot}")
         assert shot.exists() and shot.stat().st_size > 10_000, result.stderr[-2000:]
-        listing = chromium(f"{consul.url}/ui/dc1/kv/consulrun/", "--dump-dom").stdout
+        listing = rendered(f"{consul.url}/ui/dc1/kv/consulrun/", "billing-report/")
         assert "billing-report/" in listing  # keys are grouped per job
     finally:
         holder.send_signal(signal.SIGTERM)
@@ -77,13 +94,13 @@ def test_ui_shows_a_failing_jobs_check_red_and_a_passing_ones_green(consul_bin: 
                                             "sh", "-c", command, env=env))
             assert code == (0 if command == "true" else 3), err
         url = f"{agent.url}/ui/dc1/nodes/consulrun/health-checks"
-        dom = chromium(url, "--dump-dom").stdout
+        dom = rendered(url, "health-check-output")
         (artifacts / "node-health-checks.html").write_text(dom)
         shown = dict((name, status) for status, name in
                      re.findall(r'<li class="health-check-output (\w+)">\s*<div>\s*<header>\s*<h2>([^<]+)</h2>', dom))
         assert shown == {"billing-report": "passing", "cache-warm": "critical"}, shown
         assert "exit status 3" in dom and "ran on ui1" in dom  # the output names node and exit status
-        services = chromium(f"{agent.url}/ui/dc1/services", "--dump-dom").stdout
+        services = rendered(f"{agent.url}/ui/dc1/services", 'href="/ui/dc1/services/consulrun"')
         (artifacts / "services.html").write_text(services)
         assert re.search(r'<dl class="critical">\s*<dt>\s*Health\s*</dt>.*?<a href="/ui/dc1/services/consulrun">',
                          services, re.S), "the consulrun service is not shown critical"
