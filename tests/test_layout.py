@@ -143,3 +143,10 @@ def test_the_mutation_groups_name_files_and_functions_that_exist() -> None:
     tests = [t for spec in [*config["groups"].values(), {"tests": [t for s in config["subsets"].values() for t in s]}]
              for t in spec["tests"] if t.startswith("tests/")]
     assert all((PACKAGE.parent / t.split("::")[0]).is_file() for t in tests), tests
+
+
+def test_the_package_top_level_holds_only_the_layers_and_the_entry_points() -> None:
+    """A data file belongs to the package that reads it (manifest.schema.json and systemd_settings.json: manifest/)."""
+    allowed = {f"{name}.py" for name in FOUNDATION | ENTRY | {"__init__"}} | set(LAYERS) | {"__pycache__"}
+    stray = sorted(p.name for p in PACKAGE.iterdir() if p.name not in allowed)
+    assert not stray, stray

@@ -18,7 +18,7 @@ from typing import Any
 
 from consulrun.manifest import unitescape
 
-_KNOWN: dict[str, Any] = json.loads(resources.files("consulrun").joinpath("systemd_settings.json").read_text())
+_KNOWN: dict[str, Any] = json.loads(resources.files("consulrun.manifest").joinpath("systemd_settings.json").read_text())
 SECTION_TITLES = {"service": "[Service]", "timer": "[Timer]", "unit": "[Unit] or [Install]"}
 
 _FENCING = "consulrun sets it so that systemd kills the whole job before another node can take the lock (see Fencing)"
