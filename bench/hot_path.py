@@ -16,13 +16,19 @@ script (next to this Python), not `python -m`.
 With `--before DIR` (a checkout of an earlier commit, e.g. `git worktree add --detach DIR <commit>`), the
 consulrun of DIR runs too, interleaved with the others, through the same Python and the same entry point.
 
-Usage: python bench/hot_path.py [--rounds N] [--nodes N] [--before DIR]   (prints a Markdown report)
+With `--packaged PATH` (the .deb scripts/package builds, unpacked here with dpkg-deb, or an unpacked
+/opt/consulrun), the package's consulrun runs too: its venv's python on its byte-compiled `bin/consulrun`, which
+is what the kernel runs for the script's `#!/opt/consulrun/bin/python` line.
+
+Usage: python bench/hot_path.py [--rounds N] [--nodes N] [--before DIR] [--packaged PATH]   (prints Markdown)
 """
 
 from __future__ import annotations
 
 import argparse
+import atexit
 import os
+import shutil
 import signal
 import statistics
 import subprocess
@@ -47,11 +53,32 @@ def measured(cmd: list[str], env: dict[str, str]) -> tuple[float, float, float, 
     return wall, usage.ru_utime + usage.ru_stime, usage.ru_maxrss / 1024, proc.returncode
 
 
+def label(tool: str) -> str:
+    """The ratio's tag: "" for this checkout's consulrun, " before" / " packaged" for the others."""
+    return tool.replace("consulrun", "", 1)
+
+
+def packaged_command(path: Path) -> list[str]:
+    """How the package's units start consulrun, for a .deb (unpacked into a temporary folder) or an /opt/consulrun."""
+    if path.is_file():
+        unpacked = Path(tempfile.mkdtemp(prefix="bench-deb-"))
+        atexit.register(shutil.rmtree, unpacked, ignore_errors=True)
+        subprocess.run(["dpkg-deb", "-x", str(path), str(unpacked)], check=True)
+        path = unpacked / "opt" / "consulrun"
+    python, script = path / "bin" / "python", path / "bin" / "consulrun"
+    if not (os.access(python, os.X_OK) and script.is_file()):
+        sys.exit(f"bench: {path} holds no bin/python and bin/consulrun (give the .deb or its /opt/consulrun)")
+    if script.read_text().splitlines()[0] != "#!/opt/consulrun/bin/python":
+        sys.exit(f"bench: {script} is not the packaged entry script")
+    return [str(python), str(script)]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--nodes", type=int, default=3, help="nodes per job for the CPU-per-minute table")
     parser.add_argument("--before", type=Path, help="an earlier checkout whose consulrun runs beside this one")
+    parser.add_argument("--packaged", type=Path, help="a .deb or an unpacked /opt/consulrun to run beside this one")
     args = parser.parse_args()
     binary = consul_binary()
     script = str(Path(sys.executable).parent / "consulrun")
@@ -60,24 +87,23 @@ def main() -> None:
     agent = start_dev_agent(binary, Path(tempfile.mkdtemp(prefix="bench-hot-")), extra_config={"disable_coordinates": True})
     env = {**os.environ, "CONSUL_HTTP_ADDR": agent.http_addr}
     tools = ["consulrun", "consul lock"]
-    before: list[str] = []
+    others: dict[str, list[str]] = {}  # the other consulruns measured: name -> the command before `run ...`
+    if args.packaged:
+        others["consulrun packaged"] = packaged_command(args.packaged)
     if args.before:
         subprocess.run([sys.executable, "-m", "compileall", "-q", str(args.before / "consulrun")], check=True)
         # What its `consulrun` script would run, with the earlier tree first on the path: its entry point
         # (consulrun.entry since run is read without click), else click's command.
         entry = "entry" if (args.before / "consulrun" / "entry.py").exists() else "cli"
-        before = ["env", f"PYTHONPATH={args.before}", sys.executable, "-P", "-c",  # -P: not the cwd first
-                  f"import sys; from consulrun.{entry} import main; sys.exit(main())"]
-        tools.append("consulrun before")
-    cases = {
-        "loser": ([script, "run", "held", "--", "true"], [binary, "lock", "-timeout=10ms", "held-lock", "true"],
-                  [*before, "run", "held", "--", "true"]),
-        "loser, occurrence done": ([script, "run", "--schedule", "daily", "done", "--", "true"],
-                                   [binary, "lock", "-timeout=10ms", "held-lock", "true"],
-                                   [*before, "run", "--schedule", "daily", "done", "--", "true"]),
-        "winner": ([script, "run", "free", "--", "true"], [binary, "lock", "free-lock", "true"],
-                   [*before, "run", "free", "--", "true"]),
-    }
+        others["consulrun before"] = ["env", f"PYTHONPATH={args.before}", sys.executable, "-P", "-c",  # -P: no cwd
+                                      f"import sys; from consulrun.{entry} import main; sys.exit(main())"]
+    tools += list(others)
+    runs = {"loser": (["run", "held", "--", "true"], [binary, "lock", "-timeout=10ms", "held-lock", "true"]),
+            "loser, occurrence done": (["run", "--schedule", "daily", "done", "--", "true"],
+                                       [binary, "lock", "-timeout=10ms", "held-lock", "true"]),
+            "winner": (["run", "free", "--", "true"], [binary, "lock", "free-lock", "true"])}
+    cases = {case: ([script, *run], lock, *[[*prefix, *run] for prefix in others.values()])
+             for case, (run, lock) in runs.items()}
     expected = {"loser": (0, 1), "loser, occurrence done": (0, 1), "winner": (0, 0)}
     holders = [subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
                for cmd in ([script, "run", "held", "--", "sleep", "3600"], [binary, "lock", "held-lock", "sleep 3600"])]
@@ -120,7 +146,7 @@ def main() -> None:
                 medians[(case, name, measure)] = statistics.median(values)
                 row.append(f"{statistics.median(values):.0f} {unit} ({min(values):.0f}-{max(values):.0f})")
             ratios = ", ".join(f"{medians[(case, t, measure)] / medians[(case, 'consul lock', measure)]:.2f}"
-                               + ("" if t == "consulrun" else " before") for t in tools if t != "consul lock")
+                               + label(t) for t in tools if t != "consul lock")
             print(f"| {case} | {measure} | " + " | ".join(row) + f" | {ratios} |")
     print(f"\nCPU-seconds per minute on one node, each job on {args.nodes} nodes (one wins, {args.nodes - 1} skip), "
           "from the CPU medians above:\n")
@@ -131,7 +157,7 @@ def main() -> None:
         for name in tools:
             win, lose = medians[("winner", name, "CPU")], medians[("loser", name, "CPU")]
             cost[name] = jobs * (win + (args.nodes - 1) * lose) / args.nodes / 1000
-        ratios = ", ".join(f"{cost[t] / cost['consul lock']:.2f}" + ("" if t == "consulrun" else " before")
+        ratios = ", ".join(f"{cost[t] / cost['consul lock']:.2f}" + label(t)
                            for t in tools if t != "consul lock")
         print(f"| {jobs} | " + " | ".join(f"{cost[t]:.1f} s" for t in tools) + f" | {ratios} |")
 

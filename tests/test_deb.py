@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -148,3 +149,69 @@ def test_installed_package_runs_a_timer_job_under_the_lock_and_removal_disarms_i
     # (the byte code shipped is all a run needed: /opt/consulrun is gone above).
     leftover = node.systemctl("list-units", "--all", "--no-legend", "--plain", "consulrun-*").stdout
     assert [line for line in leftover.splitlines() if " active " in line and ".timer" in line] == []
+
+
+# --- a bare node, from nothing to a firing timer in one command from this machine -------------------------------
+
+
+@pytest.fixture(scope="module")
+def bare_node(consul_bin: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Container, str, Path]]:
+    """A booted container with python3, sshd and a Consul agent, and nothing of consulrun: not the checkout, not
+    the package (it is not in /shared). Yields the node, its address and the key it accepts for root."""
+    require_tool("systemd-nspawn")
+    require_tool("ssh")
+    if os.geteuid() != 0:
+        pytest.fail("booting systemd containers needs root", pytrace=False)
+    workdir = tmp_path_factory.mktemp("barenode")
+    key = workdir / "id_ed25519"
+    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(key)], check=True)
+    network = Network(1, subnet="10.213.96.0/24", tag="q").up()
+    ctr = agent = None
+    try:
+        ctr = Container(f"crq{os.getpid() % 100000}", workdir, netns=network.namespace(0),
+                        binds=[Path(consul_bin).parent])
+        ssh_dir = ctr.dir / "upper" / "root" / ".ssh"
+        ssh_dir.mkdir(parents=True)
+        (ssh_dir / "authorized_keys").write_text(key.with_suffix(".pub").read_text())
+        ssh_dir.chmod(0o700)
+        ctr.start()
+        ctr.exec("sh", "-c", f'test ! -d "{REPO}" || mount -t tmpfs -o size=1m tmpfs "{REPO}"')
+        ctr.systemctl("start", "ssh.service")
+        agent = ctr.spawn(consul_bin, "agent", "-dev", "-node", "barenode", "-client", "127.0.0.1", "-bind",
+                          "127.0.0.1", "-hcl", "disable_update_check = true", log=workdir / "consul.log")
+        wait_for(lambda: "barenode" in ctr.exec(consul_bin, "catalog", "nodes", check=False).stdout.split(), 60,
+                 "the bare node's Consul agent to elect itself leader")
+        yield ctr, network.address(0), key
+    finally:
+        tear_down(ctr, agent, network)
+
+
+def test_install_with_package_takes_a_bare_node_to_a_firing_timer_over_ssh(bare_node, deb: Path,
+                                                                          tmp_path: Path) -> None:
+    ctr, address, key = bare_node
+    assert ctr.exec("test", "-e", "/opt/consulrun", check=False).returncode == 1
+    assert ctr.exec("test", "-e", PACKAGED, check=False).returncode == 1
+    jobs = tmp_path / "bare.yaml"  # on this machine only: it crosses on ssh's standard input
+    jobs.write_text(yaml.safe_dump({
+        "defaults": {"lock": {"ttl": "10s", "lock_delay": "5s"}, "timer": {"accuracy": "1s"}},
+        "jobs": {"tick": {"command": ["sh", "-c", "echo $CONSULRUN_OCCURRENCE >> /shared/bare-runs"],
+                          "schedule": "*:*:0/2"}}}))
+    ssh = [a for opt in ("StrictHostKeyChecking=no", "UserKnownHostsFile=/dev/null", f"IdentityFile={key}",
+                         "ConnectTimeout=5", "LogLevel=ERROR") for a in ("--ssh-option", opt)]
+    here = str(Path(sys.prefix) / "bin" / "consulrun")  # the operator's consulrun, this checkout's
+    result = subprocess.run([here, "install", str(jobs), "--host", f"root@{address}", "--with-package", str(deb),
+                             *ssh], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, (result.stdout, result.stderr)
+    assert f"root@{address}: ok" in result.stderr, result.stderr
+
+    assert ctr.exec("dpkg-query", "-W", "-f", "${Status}", "consulrun").stdout == "install ok installed"
+    service = (ctr.unit_dir / "consulrun-tick.service").read_text()  # the package's consulrun, not this one
+    assert f"ExecStart={PACKAGED} run " in service, service
+    runs = ctr.shared / "bare-runs"
+    wait_for(lambda: runs.exists() and len(set(runs.read_text().split())) >= 2, 60, "the timer to fire twice")
+    (ctr.shared / "bare.yaml").write_text(jobs.read_text())
+    done = json.loads(ctr.exec(PACKAGED, "history", "/shared/bare.yaml", "tick", "--json").stdout)["runs"]
+    assert [r for r in done if r.get("exit_status") == 0 and r["node"] == "barenode"], done
+    # No package file is left behind on the node.
+    assert ctr.exec("sh", "-c", "ls -d /tmp/tmp.* 2>/dev/null | wc -l").stdout.strip() == "0"
+

@@ -35,12 +35,17 @@ from consulrun.commands.common import read_manifest
               help="File with one NODE per line (# comments allowed).")
 @click.option("--ssh-option", "ssh_options", multiple=True, metavar="OPT", help="Passed to ssh as -o OPT (repeatable).")
 @click.option("--parallel", type=click.IntRange(1, 256), default=10, show_default=True, help="Nodes at a time.")
+@click.option("--with-package", "package", type=click.Path(dir_okay=False, path_type=Path), metavar="PATH.deb",
+              help="With --host: first put this .deb (scripts/package builds it) on each node over ssh and dpkg -i "
+                   "it, so a bare node needs only python3 and sshd; --consulrun-path then defaults to "
+                   "/usr/bin/consulrun.")
 @click.option("--stdin-bundle", is_flag=True, hidden=True,
               help="Standard input is the JSON bundle `install --host --templates` sends: manifest and templates.")
 @manifest_name_option
 def install(manifest: Path, root: Path | None, unit_dir: Path, dry_run: bool, no_start: bool, templates: Path | None,
             consulrun_path: str, hosts: tuple[str, ...], hosts_file: Path | None,
-            ssh_options: tuple[str, ...], parallel: int, stdin_bundle: bool, manifest_name: str | None) -> None:
+            ssh_options: tuple[str, ...], parallel: int, package: Path | None, stdin_bundle: bool,
+            manifest_name: str | None) -> None:
     """Install MANIFEST's units on this node, or on each --host over ssh.
 
     Writes only units it generated (a foreign file with one of their names is
@@ -60,6 +65,9 @@ def install(manifest: Path, root: Path | None, unit_dir: Path, dry_run: bool, no
     loaded, text = read_manifest(manifest)
     loaded = named(loaded, manifest_name)
     targets = read_hosts(hosts, hosts_file) if hosts or hosts_file else None
+    package_bytes = None
+    if package is not None:
+        package_bytes, consulrun_path = _package_options(package, targets is not None, dry_run, root, consulrun_path)
     if targets is not None:
         if not targets.names:
             raise UsageError(f"--hosts-file: {hosts_file}: names no host")
@@ -72,10 +80,30 @@ def install(manifest: Path, root: Path | None, unit_dir: Path, dry_run: bool, no
             text = make_bundle(text, templates)
             flags.append("--stdin-bundle")
         _install_remote(targets.names, text, [consulrun_path, "install", "-", *flags], list(ssh_options), parallel,
-                        dry_run)
+                        dry_run, package_bytes)
         return
     _print_report(loaded, root=root, unit_dir=unit_dir, dry_run=dry_run, no_start=no_start, templates=templates,
                   consulrun_path=consulrun_path)
+
+
+PACKAGED_CONSULRUN = "/usr/bin/consulrun"  # where the .deb puts the command
+
+
+def _package_options(package: Path, remote: bool, dry_run: bool, root: Path | None,
+                     consulrun_path: str) -> tuple[bytes, str]:
+    """The package's bytes and the consulrun path the units call; the options --with-package cannot go with."""
+    from consulrun.units.remote import read_package
+
+    if not remote:
+        raise UsageError("--with-package needs --host or --hosts-file (on this node, run dpkg -i yourself)")
+    if dry_run:
+        raise UsageError("--with-package installs a package, which --dry-run must not: dry-run without it")
+    if root is not None:
+        raise UsageError("--with-package installs into each node's own root, not into --root")
+    source = click.get_current_context().get_parameter_source("consulrun_path")
+    if source is click.core.ParameterSource.DEFAULT:
+        consulrun_path = PACKAGED_CONSULRUN
+    return read_package(package), consulrun_path
 
 
 def _install_bundle(manifest: Path, manifest_name: str | None, **options: Any) -> None:
@@ -107,7 +135,7 @@ def _print_report(loaded: "Manifest", *, root: Path | None, unit_dir: Path, dry_
 
 
 def _install_remote(hosts: list[str], text: str, remote_argv: list[str], ssh_options: list[str], parallel: int,
-                    dry_run: bool) -> None:
+                    dry_run: bool, package: bytes | None = None) -> None:
     from consulrun.consul.values import printable
     from consulrun.units.remote import HostResult, install_all
 
@@ -119,7 +147,8 @@ def _install_remote(hosts: list[str], text: str, remote_argv: list[str], ssh_opt
         for warning in result.warnings:
             click.echo(f"warning: {result.host}: {printable(warning)}", err=True)
 
-    results = install_all(hosts, text, remote_argv, ssh_options, parallel, timeout_s=300, progress=progress)
+    results = install_all(hosts, text, remote_argv, ssh_options, parallel, timeout_s=300, progress=progress,
+                          package=package)
     if dry_run:  # each node's own diff and systemctl calls, not only its last line
         for r in results:
             if r.ok:

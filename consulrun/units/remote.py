@@ -135,14 +135,54 @@ def install_on(host: str, manifest_text: str, remote_argv: list[str], ssh_option
     return HostResult(host, result.returncode == 0, _summary(result.returncode, out, err), out, err)
 
 
+# The package crosses on ssh's standard input into a private file on the node, which dpkg installs; the file goes
+# whatever happens. Nothing in this command comes from the user, so it needs no quoting.
+_DPKG_INSTALL = ('f=$(mktemp) || exit 1; trap \'rm -f "$f"\' EXIT; cat > "$f" || exit 1; '
+                 'DEBIAN_FRONTEND=noninteractive dpkg -i "$f" >&2')
+_DEB_MAGIC = b"!<arch>\ndebian-binary"
+
+
+def read_package(path: Path) -> bytes:
+    """The .deb `install --host --with-package` puts on each node, checked to be one before anything crosses."""
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise UsageError(f"--with-package: {path}: {os_reason(exc)}") from None
+    if not data.startswith(_DEB_MAGIC):
+        raise UsageError(f"--with-package: {path}: not a .deb package (scripts/package builds one)")
+    return data
+
+
+def package_on(host: str, package: bytes, ssh_options: list[str], timeout_s: float) -> HostResult:
+    """`dpkg -i` the package on `host` over ssh; ok, or why not (dpkg's own last word)."""
+    if host_problem(host):
+        raise UsageError(host_problem(host) or "")
+    argv = ["ssh", "-o", "BatchMode=yes", *[part for opt in ssh_options for part in ("-o", opt)], "--", host,
+            _DPKG_INSTALL]
+    try:
+        result = subprocess.run(argv, input=package, capture_output=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return HostResult(host, False, f"package: timed out after {timeout_s:.0f}s")
+    except OSError as exc:
+        return HostResult(host, False, f"cannot run ssh: {os_reason(exc)}")
+    out, err = (stream.decode("utf-8", "replace") for stream in (result.stdout, result.stderr))
+    if result.returncode == 0:
+        return HostResult(host, True, "package installed", out, err)
+    return HostResult(host, False, "package: " + _summary(result.returncode, out, err), out, err)
+
+
 def install_all(hosts: list[str], manifest_text: str, remote_argv: list[str], ssh_options: list[str],
-                parallel: int, timeout_s: float, progress: Callable[[HostResult, int, int], None]) -> list[HostResult]:
-    """Install on every host; `progress` is called as each one finishes. Results keep the hosts' order."""
+                parallel: int, timeout_s: float, progress: Callable[[HostResult, int, int], None],
+                package: bytes | None = None) -> list[HostResult]:
+    """Install on every host (the package first, if given); `progress` is called as each one finishes.
+    Results keep the hosts' order."""
     results: dict[str, HostResult] = {}
     lock = threading.Lock()
 
     def one(host: str) -> None:
-        result = install_on(host, manifest_text, remote_argv, ssh_options, timeout_s)
+        result = package_on(host, package, ssh_options, timeout_s) if package is not None else None
+        if result is None or result.ok:
+            result = install_on(host, manifest_text, remote_argv, ssh_options, timeout_s)
         with lock:
             results[host] = result
             progress(result, len(results), len(hosts))
