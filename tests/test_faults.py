@@ -872,7 +872,9 @@ def test_a_token_an_http_header_cannot_carry_is_refused_unshown(consul: Agent, t
     token_file = tmp_path / "token"
     token_file.write_text("s3cr3t\nsecond-line\n")
     token_file.chmod(0o600)
-    for args, env, where in (([], {"CONSUL_HTTP_TOKEN": "s3cr3t\n"}, "the Consul token (--token or CONSUL_HTTP_TOKEN)"),
+    # No option takes a token (it would show in `ps`): the message names the variable it came from.
+    for args, env, where in (([], {"CONSUL_HTTP_TOKEN": "s3cr3t\n"}, "the Consul token in CONSUL_HTTP_TOKEN"),
+                             ([], {"CONSUL_HTTP_TOKEN": "s3cr 3t"}, "the Consul token in CONSUL_HTTP_TOKEN"),
                              (["--token-file", str(token_file)], {}, f"Consul token file {token_file}")):
         code, _, err = finish(consulrun("run", *args, "tokjob", "--", "true", env=env))
         assert code == 2, err
