@@ -35,6 +35,7 @@ from consulrun.manifest.durations import (
     format_duration,
     parse_duration,
     range_text,
+    unit_hint,
 )
 from consulrun.manifest.schema import SCHEMA, conforms, schedule_problem
 from consulrun.manifest.yamlsource import LimitError, Located, load
@@ -213,9 +214,11 @@ def _check_duration(problems: _Problems, path: tuple[Any, ...], value: Any, boun
             problems.add(path, str(exc))
         return
     if bounds is not None and not bounds[0] <= ms <= bounds[1]:
-        problems.add(path, f"{_shown(value)} is out of range: {why.format(range=range_text(bounds))}")
+        hint = unit_hint(value) if isinstance(value, str) else ""
+        problems.add(path, f"{_shown(value)} is out of range: {why.format(range=range_text(bounds))}{hint}")
     elif bounds is None and ms > DURATION_MAX_MS and isinstance(value, str):
-        problems.add(path, f"{_shown(value)} is out of range: at most {format_duration(DURATION_MAX_MS)}")
+        problems.add(path, f"{_shown(value)} is out of range: at most {format_duration(DURATION_MAX_MS)}"
+                           f"{unit_hint(value)}")
 
 
 def _split_command(problems: _Problems, path: tuple[Any, ...], command: str | list[str],
