@@ -38,7 +38,7 @@ from consulrun.manifest.durations import (
     unit_hint,
 )
 from consulrun.manifest.schema import SCHEMA, conforms, schedule_problem
-from consulrun.manifest.yamlsource import LimitError, Located, load
+from consulrun.manifest.yamlsource import LimitError, Located, explain, load
 
 
 @dataclass(frozen=True)
@@ -104,7 +104,9 @@ class _Problems:
     def add(self, path: tuple[Any, ...], message: str, *, key: bool = False) -> None:
         line, col = self.located.where(path, key=key)
         where = _dotted(path)
-        self.lines.append(((line, col), f"{self.source}:{line}:{col}: {where + ': ' if where else ''}{message}"))
+        entry = ((line, col), f"{self.source}:{line}:{col}: {where + ': ' if where else ''}{message}")
+        if entry not in self.lines:  # jsonschema reports `required` once per missing key, each naming them all
+            self.lines.append(entry)
 
     def raise_if_any(self) -> None:
         if self.lines:
@@ -427,7 +429,7 @@ def parse_manifest(text: str, source: str) -> Manifest:
         except yaml.MarkedYAMLError as exc:
             mark = exc.problem_mark or exc.context_mark
             where = f"{source}:{mark.line + 1}:{mark.column + 1}" if mark else source
-            raise ManifestError([f"{where}: YAML syntax error: {exc.problem or exc}"]) from None
+            raise ManifestError([f"{where}: YAML syntax error: {explain(exc, text)}"]) from None
         except yaml.YAMLError as exc:
             raise ManifestError([f"{source}: YAML error: {exc}"]) from None
         except LimitError as exc:
