@@ -289,8 +289,9 @@ def _run_held(request: RunRequest, locker: Locker, held: Held, fencing: Fencing,
         which = f" for a manual run asked for by {claim.get('requested_by')}"
     elif claim:
         which = f" for occurrence {claim['occurrence']}" + (", taking over from a dead runner," if claim["takeover"] else "")
-    log.info("%s: acquired %s%s (session %s, fencing token %d)", spec.job, held.key, which, held.session,
-             held.fencing_token)
+    # The node is Consul's name for it (on-failure reads it from this line: it can differ from the host name).
+    log.info("%s: acquired %s%s (node %s, session %s, fencing token %d)", spec.job, held.key, which,
+             printable(locker.node_name()), held.session, held.fencing_token)
     watcher = Watcher(locker.client, spec, held, fencing)
     job: Job | None = None
     outcome: dict[str, Any] = {}
