@@ -126,3 +126,15 @@ def test_a_plain_runs_holder_value_that_no_session_holds_is_an_abandoned_run(con
     runs = json.loads(out)["runs"]
     assert code == 0 and [(r["state"], r["node"], r["manual"]) for r in runs] == [("abandoned", "dev1", True)], out
     assert "no result was recorded" in runs[0]["reason"]
+
+
+def test_a_run_recorded_without_its_node_prints_no_placeholder(consul: Agent) -> None:
+    """A value missing fields (written by hand, or by an older consulrun): the tables and lines leave the unknown
+    out (or print the tables' `-`), never a `?`."""
+    put(consul, "consulrun/nonode/lock", {"state": "free", "last": {
+        "session": "m", "started": "2026-01-03T00:00:00Z", "ended": "2026-01-03T00:00:05Z", "lost": "fenced"}})
+    code, out, _ = cli("history", "nonode")
+    assert code == 0 and "?" not in out and out.splitlines()[1].split()[1:3] == ["-", "-"], out
+    code, out, _ = cli("status", "nonode")
+    assert code == 1 and "?" not in out, out
+    assert "nonode: lost: the run started 2026-01-03T00:00:00Z was lost: fenced" in out, out

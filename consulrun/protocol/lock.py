@@ -244,19 +244,24 @@ class Locker:
                 reaped = True
                 # The key's value is a run's only record when it has no occurrence record (a run without
                 # --schedule): say how it ended there, as a scheduled run's next node does in its record.
-                if self.record_end(entry["Key"], entry["Session"], {
-                        "state": "abandoned", "reason": f"{dead}; its session was destroyed and no result recorded"}):
-                    log.info("%s: the run is recorded abandoned in %s", self.spec.job, entry["Key"])
+                try:
+                    if self.record_end(entry["Key"], entry["Session"], {
+                            "state": "abandoned", "reason": f"{dead}; its session was destroyed and no result recorded"}):
+                        log.info("%s: the run is recorded abandoned in %s", self.spec.job, entry["Key"])
+                except ConsulrunError as exc:  # the lock is free, which is what reaping is for; readers judge it
+                    log.warning("%s: could not record the run abandoned in %s (%s)", self.spec.job, entry["Key"], exc)
         return reaped
 
-    def record_end(self, key: str, session: str, end: dict[str, Any], over_abandoned: bool = False) -> bool:
+    def record_end(self, key: str, session: str, end: dict[str, Any], over_abandoned: bool = False,
+                   check: Callable[[dict[str, Any]], dict[str, Any]] | None = None) -> bool:
         """Record in `key`'s value how the run of `session`, which no longer holds it, ended; True if written.
 
         A check-and-set on the key as read: only a value still naming that run
         as its holder (no end recorded, no holder since) is replaced, so a
         later holder or an end already recorded is never overwritten; with
         `over_abandoned`, the runner's own end also replaces an `abandoned`
-        guess about that same run.
+        guess about that same run. `check` makes the job's health check operation from the recorded run, as in
+        `release`.
         """
         _, entry = self.client.kv_get(key, consistent=True)
         if not entry or entry.get("Session"):
@@ -270,7 +275,8 @@ class Locker:
         elif value.get("session") != session:
             return False
         ended = {"state": "free", "last": {**value, "ended": now_iso(), **end}}
-        return self.client.txn([kv_op("cas", key, ended, Index=int(entry["ModifyIndex"]))]) is not None
+        return self.client.txn([kv_op("cas", key, ended, Index=int(entry["ModifyIndex"])),
+                                *([check(ended["last"])] if check else [])], optional_checks=True) is not None
 
     def try_once(self, entries: dict[str, dict[str, Any]], claim: Claim | None = None) -> Held | None:
         """Acquire a free slot seen in `entries` (keeping our session either way); None if none was had.

@@ -479,7 +479,7 @@ def _record_and_release(locker: Locker, held: Held, ledger: occurrence.Ledger | 
             return True  # (or an earlier attempt went through and its answer was lost)
         # Fenced (a forced unlock, the session invalidated): the key's value is this run's only record.
         end = outcome or {"lost": "consulrun stopped before the job ended"}
-        if locker.record_end(held.key, held.session, end, over_abandoned=True):
+        if locker.record_end(held.key, held.session, end, over_abandoned=True, check=check):
             log.warning("%s: the lock was no longer ours when the job ended; the result is recorded (%s)", job,
                         "lost" if end.get("lost") else f"exit status {end.get('exit_status')}")
         else:

@@ -128,11 +128,11 @@ def table(rows: list[dict[str, Any]], now: datetime) -> list[list[str]]:
         elif r["state"] in ("lost", "abandoned", "running"):
             result = r["state"]
         else:
-            result = f"exit {r['exit_status']}" if r["exit_status"] is not None else (r["state"] or "?")
+            result = f"exit {r['exit_status']}" if r["exit_status"] is not None else (r["state"] or "-")
         notes = [n for n, on in (("takeover", r["takeover"]), ("manual", r["manual"])) if on]
         if r["reason"] and r["state"] != "skipped":
             notes.append(str(r["reason"]))
         out.append([r["occurrence"] or "-", str(r["attempt"] or "-"),
-                    r["node"] or ("-" if r["state"] == "skipped" else "?"), cell(r["started"], now),
+                    r["node"] or "-", cell(r["started"], now),
                     span(r["duration_s"]) if r["duration_s"] is not None else "-", result, "; ".join(notes) or "-"])
     return out

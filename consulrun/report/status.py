@@ -404,7 +404,8 @@ def table(statuses: list[JobStatus], now: datetime) -> list[list[str]]:
             code = f"exit {last['exit_status']}" if last.get("exit_status") is not None else (last.get("state") or "")
             if last.get("state") in ("lost", "abandoned", "running"):
                 code = last["state"]
-            result = f"{code}{took} on {last.get('node') or '?'}" + (" (takeover)" if last.get("takeover") else "")
+            result = f"{code}{took}" + (f" on {last['node']}" if last.get("node") else "") + \
+                (" (takeover)" if last.get("takeover") else "")
         worst = s.health()
         kind = next((p["kind"] for p in s.problems if PROBLEM_HEALTH[p["kind"]] == worst), None)
         state = kind or ("paused" if s.paused else s.state)
