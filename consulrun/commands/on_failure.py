@@ -42,5 +42,6 @@ def on_failure(job: str, command: tuple[str, ...], unit: str, skip_exit_code: in
         return
     logging.getLogger("consulrun").info("%s: %s (%s, exit status %s, occurrence %s); running the on_failure command",
                                         job, unit, facts["CONSULRUN_RESULT"] or "result unknown",
-                                        facts["CONSULRUN_EXIT_STATUS"] or "unknown", facts["CONSULRUN_OCCURRENCE"] or "-")
+                                        facts["CONSULRUN_EXIT_STATUS"] or "unknown",
+                                        facts["CONSULRUN_OCCURRENCE"] or "-")
     sys.exit(run_on_failure(list(command), facts))

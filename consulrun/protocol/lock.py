@@ -245,8 +245,8 @@ class Locker:
                 # The key's value is a run's only record when it has no occurrence record (a run without
                 # --schedule): say how it ended there, as a scheduled run's next node does in its record.
                 try:
-                    if self.record_end(entry["Key"], entry["Session"], {
-                            "state": "abandoned", "reason": f"{dead}; its session was destroyed and no result recorded"}):
+                    why = f"{dead}; its session was destroyed and no result recorded"
+                    if self.record_end(entry["Key"], entry["Session"], {"state": "abandoned", "reason": why}):
                         log.info("%s: the run is recorded abandoned in %s", self.spec.job, entry["Key"])
                 except ConsulrunError as exc:  # the lock is free, which is what reaping is for; readers judge it
                     log.warning("%s: could not record the run abandoned in %s (%s)", self.spec.job, entry["Key"], exc)

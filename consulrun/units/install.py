@@ -202,7 +202,8 @@ def _carry_out(the_plan: Plan, report: Report, *, dry_run: bool, start: bool, ro
     if dry_run:
         report.diff.append(the_plan.diff())
         report.lines += [f"would remove: {removed}"] if removed else []
-        report.lines += ["would run: " + systemctl_text(call, root) for call in the_plan.actions(start, root is not None)]
+        report.lines += ["would run: " + systemctl_text(call, root)
+                         for call in the_plan.actions(start, root is not None)]
         report.lines += ["up to date"] if the_plan.empty else []
         return report
     if the_plan.empty:
