@@ -304,3 +304,18 @@ def test_consulrun_path_must_be_absolute(command: list[str], manifest: Path) -> 
     code, _, err = invoke(command[0], str(manifest), *command[1:], "--consulrun-path", "bin/consulrun")
     assert (code, err) == (2, "Error: --consulrun-path: 'bin/consulrun' must be an absolute path without control "
                               "characters\n")
+
+
+def test_a_dry_run_into_an_image_shows_systemctl_with_its_root(manifest: Path, tmp_path: Path) -> None:
+    """`install --root R --dry-run` printed `systemctl enable ...`: without --root, the command that would touch
+    the running system, not the image."""
+    image = tmp_path / "image"
+    (image / "usr" / "bin").mkdir(parents=True)
+    (image / "usr" / "bin" / "consulrun").write_text("#!/bin/sh\n")
+    (image / "usr" / "bin" / "consulrun").chmod(0o755)
+    code, out, err = invoke("install", str(manifest), "--root", str(image), "--dry-run", "--consulrun-path",
+                            "/usr/bin/consulrun")
+    assert code == 0, err
+    runs = [line for line in out.splitlines() if line.startswith("would run: ")]
+    assert runs and all(line.startswith(f"would run: systemctl --root={image} enable ") for line in runs), out
+    assert not (image / "etc").exists()

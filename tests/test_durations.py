@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import re
 import subprocess
+from pathlib import Path
 
 import pytest
+from click.testing import CliRunner
 
+from consulrun.cli import main
 from consulrun.manifest.durations import PATTERN, DurationError, format_duration, parse_duration
 from consulrun.manifest.schema import SCHEMA
 from tests.conftest import require_tool
@@ -53,3 +56,18 @@ def test_schema_pattern_is_the_parser_grammar() -> None:
 @pytest.mark.parametrize("ms", [0, 1, 999, 1000, 90_000, 5_400_000, 86_400_000, 3_723_004])
 def test_canonical_form_reads_back(ms: int) -> None:
     assert parse_duration(format_duration(ms)) == ms
+
+
+def test_an_out_of_range_duration_written_with_M_says_M_is_months(tmp_path: Path) -> None:
+    """`--ttl 5M` said only `3652h30m is out of range`: systemd's `M` is months, a typo for `m` (minutes)."""
+    result = CliRunner().invoke(main, ["run", "--ttl", "5M", "j", "--", "true"])
+    assert result.exit_code == 2
+    assert result.stderr == ("Error: --ttl: 3652h30m is out of range: must be 10s to 24h; `M` is months, "
+                             "`m` minutes\n"), result.stderr
+    result = CliRunner().invoke(main, ["run", "--ttl", "48h", "j", "--", "true"])
+    assert result.exit_code == 2 and "months" not in result.stderr, result.stderr
+    manifest = tmp_path / "jobs.yaml"
+    manifest.write_text("jobs:\n  a: {command: 'true', schedule: daily, timeout: 500M}\n")
+    result = CliRunner().invoke(main, ["validate", str(manifest)])
+    assert result.exit_code == 2
+    assert "jobs.a.timeout: '500M' is out of range: at most 8784h; `M` is months, `m` minutes" in result.stderr

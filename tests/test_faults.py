@@ -460,7 +460,7 @@ def test_sigkilled_wrappers_occurrence_is_taken_over_within_lock_delay(consul: A
     code, _, err = finish(standby)
     assert code == 0, err
     assert "has exited; destroying the session" in err
-    assert f" for occurrence {OCC}, taking over from a dead runner, (session " in err, err
+    assert f" for occurrence {OCC}, taking over from a dead runner, (node dev1, session " in err, err
     record = kv_json(consul, "consulrun/oom/occurrence")
     assert record["attempt"] == 2 and record["earlier"][0]["state"] == "abandoned"
     assert sessions(consul) == []
@@ -872,7 +872,9 @@ def test_a_token_an_http_header_cannot_carry_is_refused_unshown(consul: Agent, t
     token_file = tmp_path / "token"
     token_file.write_text("s3cr3t\nsecond-line\n")
     token_file.chmod(0o600)
-    for args, env, where in (([], {"CONSUL_HTTP_TOKEN": "s3cr3t\n"}, "the Consul token (--token or CONSUL_HTTP_TOKEN)"),
+    # No option takes a token (it would show in `ps`): the message names the variable it came from.
+    for args, env, where in (([], {"CONSUL_HTTP_TOKEN": "s3cr3t\n"}, "the Consul token in CONSUL_HTTP_TOKEN"),
+                             ([], {"CONSUL_HTTP_TOKEN": "s3cr 3t"}, "the Consul token in CONSUL_HTTP_TOKEN"),
                              (["--token-file", str(token_file)], {}, f"Consul token file {token_file}")):
         code, _, err = finish(consulrun("run", *args, "tokjob", "--", "true", env=env))
         assert code == 2, err
@@ -1228,7 +1230,7 @@ def test_a_standbys_takeover_whose_outcome_could_not_be_read_back_is_recognised_
             standby.kill()
     err = log.read_text()
     assert "whether the acquisition went through is unknown" in err, err
-    assert err.count(f" for occurrence {OCC}, taking over from a dead runner, (session ") == 1, err  # said of both
+    assert err.count(f" for occurrence {OCC}, taking over from a dead runner, (node dev1, session ") == 1, err  # said of both
     assert ran.read_text() == "x\n"
     record = kv_json(consul, "consulrun/ownclaim/occurrence")
     assert (record["state"], record["attempt"], len(record["earlier"])) == ("done", 2, 1), record

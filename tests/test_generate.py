@@ -302,3 +302,15 @@ def test_units_of_an_older_consulrun_are_adopted_if_made_else_left_and_said(tmp_
                    "more)\n")
     assert "\n# Manifest: a\n" in (out_dir / "consulrun-backup.timer").read_text()
     assert (out_dir / "consulrun-rotate.timer").exists()
+
+
+def test_the_example_manifest_reaches_no_one_elses_service() -> None:
+    """README's first command renders examples/jobs.yaml; copied as is, it must ping nobody's real monitor (it
+    carried a real service's URL with a made-up check id). Loopback or a reserved name (RFC 2606) only."""
+    from urllib.parse import urlsplit
+
+    example = load_manifest(CASES["example"])
+    urls = [job.ping_url for job in example.jobs if job.ping_url] + [example.consul.address or ""]
+    for url in filter(None, urls):
+        host = urlsplit(url if "://" in url else f"http://{url}").hostname or ""
+        assert host in ("127.0.0.1", "::1", "localhost") or host.endswith((".invalid", ".example", ".test")), url

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
+from pathlib import Path
 
 import pytest
 
-from tests.harness.agents import Agent
+from tests.harness.agents import Agent, wait_for
 from tests.test_run import consulrun, finish
-from tests.test_status import cli, put
+from tests.test_status import cli, hold, put
 
 pytestmark = pytest.mark.consul
 
@@ -49,3 +52,89 @@ def test_history_of_real_runs(consul: Agent) -> None:
     code, out, _ = cli("history", "real", "--json")
     runs = json.loads(out)["runs"]
     assert code == 0 and len(runs) == 1 and runs[0]["exit_status"] == 2 and runs[0]["node"] == "dev1"
+
+
+# --- Runs without --schedule that end other than cleanly (issue 25, item 6) ------------------------------------
+
+
+def _problem_line(job: str) -> str:
+    """`status JOB`'s line naming the job's problem (the lines after the table)."""
+    code, out, _ = cli("status", job)
+    assert code == 1, out
+    return next(line for line in out.splitlines() if line.startswith(f"{job}: "))
+
+
+def test_a_plain_run_unlocked_by_force_is_recorded_lost(consul: Agent, tmp_path: Path) -> None:
+    """`unlock --force` of a live run without --schedule: its wrapper kills the job (75) and, the lock no longer
+    its own, still records the run `lost` in the lock's value, which history and status read."""
+    started = tmp_path / "started"
+    runner = consulrun("run", "forced", "--", "sh", "-c", f"touch {started}; sleep 60")
+    try:
+        wait_for(started.exists, 20, "the job")
+        code, _, err = cli("unlock", "forced", "--yes", "--force")
+        assert code == 0, err
+        code, _, err = finish(runner)
+    finally:
+        if runner.poll() is None:
+            runner.kill()
+            finish(runner)
+    assert code == 75, err
+    assert "the result is recorded (lost)" in err, err
+    code, out, _ = cli("history", "forced", "--json")
+    runs = json.loads(out)["runs"]
+    assert code == 0 and len(runs) == 1, out
+    assert (runs[0]["state"], runs[0]["node"], runs[0]["manual"], runs[0]["exit_status"]) == ("lost", "dev1", True, 75)
+    assert "the lock was released or taken over" in runs[0]["reason"] and runs[0]["duration_s"] is not None
+    line = _problem_line("forced")
+    assert line.startswith(f"forced: lost: the run started {runs[0]['started']} on dev1 was lost: the lock was "), line
+    assert "?" not in line, line
+
+
+def test_a_plain_run_whose_wrapper_was_killed_then_reaped_is_recorded_abandoned(consul: Agent,
+                                                                                tmp_path: Path) -> None:
+    """SIGKILL of the wrapper (the OOM killer), then `reap` (the units' ExecStopPost=): reap destroys the dead
+    wrapper's session and records the run `abandoned`, naming why, in the lock's value."""
+    pidfile = tmp_path / "pid"
+    runner = consulrun("run", "oomed", "--", "sh", "-c", f"echo $$ > {pidfile}; exec sleep 300")
+    try:
+        wait_for(lambda: pidfile.exists() and pidfile.read_text().strip(), 20, "the job")
+        runner.kill()
+        runner.wait(timeout=10)
+        code, _, err = finish(consulrun("reap", "oomed"))
+        assert code == 0 and "destroying the session" in err, err
+        assert "oomed: the run is recorded abandoned" in err, err
+    finally:
+        if pidfile.exists() and pidfile.read_text().strip():
+            os.kill(int(pidfile.read_text()), signal.SIGKILL)
+    code, out, _ = cli("history", "oomed", "--json")
+    runs = json.loads(out)["runs"]
+    assert code == 0 and len(runs) == 1, out
+    assert (runs[0]["state"], runs[0]["node"], runs[0]["manual"]) == ("abandoned", "dev1", True)
+    assert f"(pid {runner.pid}) on this node has exited" in runs[0]["reason"], runs[0]
+    code, out, _ = cli("history", "oomed")
+    assert code == 0 and "abandoned" in out.splitlines()[1], out
+    line = _problem_line("oomed")
+    assert line.startswith(f"oomed: abandoned: the run started {runs[0]['started']} on dev1 was abandoned: "), line
+    assert "?" not in line, line
+
+
+def test_a_plain_runs_holder_value_that_no_session_holds_is_an_abandoned_run(consul: Agent) -> None:
+    """Nobody recorded the end (the session's TTL ran out, no reap): history still lists the run, abandoned."""
+    sid = hold(consul, "expired")
+    consul.api("PUT", f"session/destroy/{sid}")  # what the TTL does
+    code, out, _ = cli("history", "expired", "--json")
+    runs = json.loads(out)["runs"]
+    assert code == 0 and [(r["state"], r["node"], r["manual"]) for r in runs] == [("abandoned", "dev1", True)], out
+    assert "no result was recorded" in runs[0]["reason"]
+
+
+def test_a_run_recorded_without_its_node_prints_no_placeholder(consul: Agent) -> None:
+    """A value missing fields (written by hand, or by an older consulrun): the tables and lines leave the unknown
+    out (or print the tables' `-`), never a `?`."""
+    put(consul, "consulrun/nonode/lock", {"state": "free", "last": {
+        "session": "m", "started": "2026-01-03T00:00:00Z", "ended": "2026-01-03T00:00:05Z", "lost": "fenced"}})
+    code, out, _ = cli("history", "nonode")
+    assert code == 0 and "?" not in out and out.splitlines()[1].split()[1:3] == ["-", "-"], out
+    code, out, _ = cli("status", "nonode")
+    assert code == 1 and "?" not in out, out
+    assert "nonode: lost: the run started 2026-01-03T00:00:00Z was lost: fenced" in out, out

@@ -70,6 +70,14 @@ CASES = {
     "bad-calendar-in-list": ("jobs:\n  a:\n    command: [/bin/true]\n    schedule: [daily, 'foo']\n", 4, 23,
                              ["jobs.a.schedule[1]", "'foo'"]),
     "yaml-syntax": ("jobs:\n  a: [unclosed\n", 3, 1, ["YAML syntax error"]),
+    # PyYAML says "found character that cannot start any token" and "mapping values are not allowed here".
+    "yaml-tab": ("jobs:\n  a:\n\tcommand: [/bin/true]\n", 3, 1,
+                 ["YAML syntax error: a tab character: YAML indents with spaces only"]),
+    "yaml-unquoted-colon": ("jobs:\n  a:\n    command: cat x | cut -d: -f1\n    schedule: daily\n", 3, 28,
+                            ["a value holding ': ' must be quoted (command: 'cat x | cut -d: -f1')"]),
+    "schedule-time-span": ("jobs:\n  a:\n    command: [/bin/true]\n    schedule: 5m\n", 4, 15,
+                           ["'5m' is not a valid calendar expression: it looks like a time span",
+                            "every 5m is '*:0/5'"]),
     "unsplittable-command": ("jobs:\n  a:\n    command: 'echo \"unterminated'\n    schedule: daily\n", 3, 14,
                              ["cannot split command"]),
     "unsplittable-default-on-failure": ("defaults:\n  on_failure: 'echo \"x'\njobs:\n  a:\n" + OK_JOB, 2, 15,
@@ -114,6 +122,15 @@ def test_all_errors_reported_at_once(tmp_path: Path) -> None:
     assert result.exit_code == 2
     assert [line.split(": ", 2)[1].rsplit(":", 2)[1:] for line in lines] == [["4", "15"], ["5", "5"], ["7", "5"], ["8", "17"]]
     assert all(line.startswith(f"Error: {manifest}:") for line in lines)
+
+
+def test_each_missing_required_key_is_reported_once(tmp_path: Path) -> None:
+    manifest = tmp_path / "jobs.yaml"
+    manifest.write_text("jobs:\n  a:\n    timeout: 5m\n")
+    result = CliRunner().invoke(main, ["validate", str(manifest)])
+    assert result.exit_code == 2
+    assert result.stderr == (f"Error: {manifest}:3:5: jobs.a: missing required key 'command'\n"
+                             f"Error: {manifest}:3:5: jobs.a: missing required key 'schedule'\n"), result.stderr
 
 
 @pytest.mark.parametrize("command", [["generate", "-o", "-"], ["install", "--dry-run"], ["acl-policy"]])

@@ -276,7 +276,7 @@ def test_several_schedules_with_zones_take_the_latest(consul: Agent, tmp_path: P
     acquired = [line for line in err.splitlines() if " acquired " in line]
     assert len(acquired) == 1 and re.fullmatch(
         rf"consulrun: multi: acquired consulrun/multi/lock for occurrence {calendar.occurrence_id(latest)} "
-        r"\(session [0-9a-f-]{36}, fencing token \d+\)", acquired[0]), err
+        r"\(node dev1, session [0-9a-f-]{36}, fencing token \d+\)", acquired[0]), err
 
 
 def test_dead_runner_under_skip_is_marked_abandoned_and_not_rerun(consul: Agent, tmp_path: Path) -> None:

@@ -56,7 +56,9 @@ def test_failed_job_runs_on_failure_with_what_happened(node: Container) -> None:
     assert facts["CONSULRUN_JOB"] == "failing"
     assert facts["CONSULRUN_UNIT"] == "consulrun-failing.service"
     assert (facts["CONSULRUN_RESULT"], facts["CONSULRUN_EXIT_STATUS"]) == ("exit-code", "3")
-    assert facts["CONSULRUN_NODE"] == node.name
+    # Consul's name for the node (agent_node starts its agent as `solo`), as the rest of consulrun names nodes;
+    # it used to be the host name.
+    assert facts["CONSULRUN_NODE"] == "solo" != node.name
     assert facts["CONSULRUN_OCCURRENCE"].endswith("T00:00:00Z")
     assert facts["CONSULRUN_INVOCATION_ID"] == node.systemctl(
         "show", "-P", "InvocationID", "consulrun-failing.service").stdout.strip()
@@ -77,7 +79,7 @@ def test_lost_job_notifies(node: Container) -> None:
     node.exec(CONSULRUN, "unlock", "fenced", "--yes", "--force")
     facts = notified(node, "fenced")
     assert (facts["CONSULRUN_RESULT"], facts["CONSULRUN_EXIT_STATUS"]) == ("exit-code", "75")
-    assert "lock lost" in facts["CONSULRUN_JOURNAL"]
+    assert "lock lost" in facts["CONSULRUN_JOURNAL"] and facts["CONSULRUN_NODE"] == "solo"
 
 
 def test_success_and_skip_never_notify(node: Container) -> None:

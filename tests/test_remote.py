@@ -209,5 +209,5 @@ def test_root_is_passed_to_the_nodes(sshd: Sshd, manifest: Path, tmp_path: Path)
     code, out, err = _install(str(manifest), "--host", "root@127.0.0.1", "--dry-run", "--root", str(image),
                               "--consulrun-path", CONSULRUN, *sshd.options())
     assert code == 0, out + err
-    assert "would run: systemctl enable consulrun-tick.timer\n" in out  # offline: enabled, not started
+    assert f"would run: systemctl --root={image} enable consulrun-tick.timer\n" in out  # offline: enabled, not started
     assert not (image / "etc").exists()  # a dry run

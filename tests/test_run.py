@@ -132,7 +132,7 @@ def test_lock_value_and_child_environment(consul: Agent, tmp_path: Path) -> None
     # The acquired line, whole: a plain run names no occurrence.
     acquired = [line for line in err.splitlines() if " acquired " in line]
     assert len(acquired) == 1 and re.fullmatch(
-        r"consulrun: envjob: acquired ops/cr/envjob/lock \(session [0-9a-f-]{36}, fencing token \d+\)",
+        r"consulrun: envjob: acquired ops/cr/envjob/lock \(node dev1, session [0-9a-f-]{36}, fencing token \d+\)",
         acquired[0]), err
     # The fencing token grows with every acquisition.
     code, _, _ = finish(consulrun("run", "--prefix", "ops/cr", "envjob", "--", sys.executable, "-c", script))

@@ -11,10 +11,12 @@ from pathlib import Path
 from unittest import mock
 
 import click
+from click.testing import CliRunner
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from consulrun.cli import main
 from consulrun.commands.run import run as run_command
 from consulrun.commands.runargs import OPTIONS, read
 from tests.harness.agents import Agent
@@ -106,6 +108,17 @@ def test_whatever_the_lean_reader_takes_click_reads_the_same_way(args: list[str]
 ])
 def test_what_the_lean_reader_leaves_to_click(args: list[str]) -> None:
     assert read(args, {}) is None
+
+
+@pytest.mark.parametrize("args", [["--", "echo", "hi"], ["--ttl", "15s", "--", "echo", "hi"],
+                                  ["--health-check", "--wait=1s", "--", "echo"]])
+def test_a_forgotten_job_is_said_missing_not_taken_from_the_command(args: list[str]) -> None:
+    """`run -- echo hi` used to say `cannot start hi`: click took `echo` for JOB. The lean reader leaves it to
+    click, which says JOB is missing."""
+    assert read(args, {}) is None
+    result = CliRunner().invoke(main, ["run", *args])
+    assert result.exit_code == 2, result.output
+    assert "Error: Missing argument 'JOB': it goes before `--`" in result.stderr and "cannot start" not in result.stderr
 
 
 @pytest.mark.consul

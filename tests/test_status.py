@@ -105,6 +105,9 @@ def test_status_table_json_and_verdicts(consul: Agent, tmp_path: Path) -> None:
         assert lock_entry(consul, "consulrun/cache-warm/lock").get("Session") == held["session"]
         code, _, err = cli("unlock", "cache-warm", "--yes", "--force")
         assert code == 0 and "will destroy session" in err and "unlocked: destroyed session" in err
+        will = next(line for line in err.splitlines() if "will destroy" in line)
+        assert will.count(held["session"]) == 1, will  # it used to name the session twice
+        assert will.startswith(f"cache-warm: will destroy session {held['session']} of dev1 (pid "), will
         assert finish(holder)[0] == 75
     finally:
         if holder.poll() is None:

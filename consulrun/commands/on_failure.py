@@ -41,6 +41,7 @@ def on_failure(job: str, command: tuple[str, ...], unit: str, skip_exit_code: in
         logging.getLogger("consulrun").info("%s: exit status %s is the skip code; not a failure", job, skip_exit_code)
         return
     logging.getLogger("consulrun").info("%s: %s (%s, exit status %s, occurrence %s); running the on_failure command",
-                                        job, unit, facts["CONSULRUN_RESULT"] or "?",
-                                        facts["CONSULRUN_EXIT_STATUS"] or "?", facts["CONSULRUN_OCCURRENCE"] or "-")
+                                        job, unit, facts["CONSULRUN_RESULT"] or "result unknown",
+                                        facts["CONSULRUN_EXIT_STATUS"] or "unknown",
+                                        facts["CONSULRUN_OCCURRENCE"] or "-")
     sys.exit(run_on_failure(list(command), facts))

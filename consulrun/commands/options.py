@@ -9,7 +9,14 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from consulrun.errors import UsageError
-from consulrun.manifest.durations import DURATION_MAX_MS, DurationError, format_duration, parse_duration, range_text
+from consulrun.manifest.durations import (
+    DURATION_MAX_MS,
+    DurationError,
+    format_duration,
+    parse_duration,
+    range_text,
+    unit_hint,
+)
 from consulrun.manifest.schema import kv_prefix_problem
 
 if TYPE_CHECKING:
@@ -42,7 +49,7 @@ class Duration(click.ParamType):
             raise UsageError(f"{_option_name(param)}: {exc}") from None
         if not self.bounds[0] <= ms <= self.bounds[1]:
             raise UsageError(f"{_option_name(param)}: {format_duration(ms)} is out of range: "
-                             f"must be {range_text(self.bounds)}")
+                             f"must be {range_text(self.bounds)}{unit_hint(str(value))}")
         return ms
 
 

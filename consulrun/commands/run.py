@@ -6,11 +6,19 @@ from __future__ import annotations
 import click
 
 from consulrun.commands.options import Duration, agent_options, job_prefix_option
-from consulrun.commands.runargs import start
+from consulrun.commands.runargs import job_missing, start
 from consulrun.manifest.durations import LOCK_DELAY_RANGE_MS, TTL_RANGE_MS, range_text
 
 
-@click.command(context_settings={"allow_interspersed_args": False})
+class _RunCommand(click.Command):
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        if job_missing(args):  # click would read `run -- echo hi` as JOB `echo`, COMMAND `hi`
+            raise click.UsageError("Missing argument 'JOB': it goes before `--`, and what follows `--` is the "
+                                   "command (consulrun run [OPTIONS] JOB -- COMMAND [ARG]...)", ctx)
+        return super().parse_args(ctx, args)
+
+
+@click.command(cls=_RunCommand, context_settings={"allow_interspersed_args": False})
 @job_prefix_option
 @click.option("--ttl", type=Duration(TTL_RANGE_MS), default="15s", show_default=True,
               help=f"Session TTL ({range_text(TTL_RANGE_MS)}).")

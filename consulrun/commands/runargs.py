@@ -142,6 +142,24 @@ def read(args: list[str], environ: dict[str, str] | os._Environ[str]) -> dict[st
     return params
 
 
+def job_missing(args: list[str]) -> bool:
+    """True if `--` comes before any JOB (`run -- echo hi`): click would take the command's first word for JOB.
+
+    Options are skipped by this module's table (a value given apart is skipped with its option); an option the
+    table does not know ends the look, for click to report."""
+    rest = list(args)
+    while rest:
+        token = rest.pop(0)
+        if token == "--":
+            return True
+        name, has_value, _ = token.partition("=")
+        if not token.startswith("-") or name not in OPTIONS:
+            return False
+        if OPTIONS[name][1] is not None and not has_value and rest:
+            rest.pop(0)
+    return False
+
+
 def main(args: list[str]) -> None:
     """Run `consulrun run ARGS` without click if `read` takes them; return (for click to do it) if not."""
     params = read(args, os.environ)

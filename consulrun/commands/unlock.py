@@ -47,14 +47,14 @@ def unlock(targets: tuple[str, ...], prefix: str | None, yes: bool, force: bool,
         return
     for holder in holders:
         holder = {k: printable(v) if isinstance(v, str) else v for k, v in holder.items()}  # text from Consul
-        who = f"{holder['node']} (pid {holder['pid']}, since {holder['since']}, session {holder['session']})"
+        who = f"{holder['node']} (pid {holder['pid']}, since {holder['since']})"
         if holder["healthy"] and not force:
-            raise ConsulrunError(f"{job} is held by {who}, which is healthy ({holder['health']}); "
-                                 "use --force to break it anyway")
+            raise ConsulrunError(f"{job} is held by {who} with session {holder['session']}, which is healthy "
+                                 f"({holder['health']}); use --force to break it anyway")
         click.echo(f"{job}: will destroy session {holder['session']} of {who} ({holder['health']}); Consul then "
                    "frees the lock and keeps it from everyone for the session's lock-delay"
                    + ("; a live holder kills its job (exit 75)" if holder["healthy"] else ""), err=True)
-        if not yes and not click.confirm(f"Destroy the session of {who}?", err=True):
+        if not yes and not click.confirm(f"Destroy session {holder['session']} of {who}?", err=True):
             raise ConsulrunError("not confirmed; nothing changed")
         if client.session_visible(holder["session"]) is None:
             click.echo(f"session {holder['session']} was already gone")

@@ -148,7 +148,7 @@ class ConsulConfig:
         if from_file:
             return from_file
         if self.token:
-            return _sendable(self.token, "the Consul token (--token or CONSUL_HTTP_TOKEN)")
+            return _sendable(self.token, "the Consul token in CONSUL_HTTP_TOKEN")
         return None
 
 

@@ -29,7 +29,30 @@ def validate(spec: str) -> None:
     except oncalendar.OnCalendarError as exc:
         if "." in spec:
             raise CalendarError(f"{spec!r}: fractional seconds are not supported; occurrences are whole seconds") from None
-        raise CalendarError(f"{spec!r} is not a valid calendar expression: {exc}") from None
+        raise CalendarError(f"{spec!r} is not a valid calendar expression: {_span_hint(spec) or exc}") from None
+
+
+def _span_hint(spec: str) -> str | None:
+    """What to say of a schedule written as a time span (`5m`): a schedule says when, and how to write "every"."""
+    from consulrun.manifest.durations import DurationError, parse_duration
+
+    if not any(ch.isalpha() for ch in spec):
+        return None
+    try:
+        seconds, fraction = divmod(parse_duration(spec), 1000)
+    except DurationError:
+        return None
+    every = None
+    if not fraction and 0 < seconds < 60 and 60 % seconds == 0:
+        every = f"*:*:0/{seconds}"
+    elif not fraction and seconds % 60 == 0 and 0 < seconds // 60 < 60 and 60 % (seconds // 60) == 0:
+        every = f"*:0/{seconds // 60}"
+    elif not fraction and seconds % 3600 == 0 and 0 < seconds // 3600 < 24 and 24 % (seconds // 3600) == 0:
+        every = f"0/{seconds // 3600}:00"
+    elif (seconds, fraction) == (86_400, 0):
+        every = "daily"
+    how = f"every {spec.strip()} is {every!r}" if every else "e.g. every 5 minutes is '*:0/5'"
+    return f"it looks like a time span; a schedule is a calendar expression (systemd.time(7)): {how}"
 
 
 LOCALTIME = "/etc/localtime"

@@ -64,6 +64,14 @@ def parse_duration(text: str) -> int:
     return int(total)
 
 
+def unit_hint(text: str) -> str:
+    """For a message about a duration out of range: a note if it was written with `M`, which systemd reads as
+    months (`5M` is 3652h30m) where minutes (`m`) were surely meant; '' otherwise."""
+    if any(match.group(2) == "M" for match in _PART.finditer(text)):
+        return "; `M` is months, `m` minutes"
+    return ""
+
+
 def format_duration(ms: int) -> str:
     """Render milliseconds canonically; hours are the largest unit because Go has no days."""
     if ms == 0:

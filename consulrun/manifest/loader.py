@@ -35,9 +35,10 @@ from consulrun.manifest.durations import (
     format_duration,
     parse_duration,
     range_text,
+    unit_hint,
 )
 from consulrun.manifest.schema import SCHEMA, conforms, schedule_problem
-from consulrun.manifest.yamlsource import LimitError, Located, load
+from consulrun.manifest.yamlsource import LimitError, Located, explain, load
 
 
 @dataclass(frozen=True)
@@ -103,7 +104,9 @@ class _Problems:
     def add(self, path: tuple[Any, ...], message: str, *, key: bool = False) -> None:
         line, col = self.located.where(path, key=key)
         where = _dotted(path)
-        self.lines.append(((line, col), f"{self.source}:{line}:{col}: {where + ': ' if where else ''}{message}"))
+        entry = ((line, col), f"{self.source}:{line}:{col}: {where + ': ' if where else ''}{message}")
+        if entry not in self.lines:  # jsonschema reports `required` once per missing key, each naming them all
+            self.lines.append(entry)
 
     def raise_if_any(self) -> None:
         if self.lines:
@@ -213,9 +216,11 @@ def _check_duration(problems: _Problems, path: tuple[Any, ...], value: Any, boun
             problems.add(path, str(exc))
         return
     if bounds is not None and not bounds[0] <= ms <= bounds[1]:
-        problems.add(path, f"{_shown(value)} is out of range: {why.format(range=range_text(bounds))}")
+        hint = unit_hint(value) if isinstance(value, str) else ""
+        problems.add(path, f"{_shown(value)} is out of range: {why.format(range=range_text(bounds))}{hint}")
     elif bounds is None and ms > DURATION_MAX_MS and isinstance(value, str):
-        problems.add(path, f"{_shown(value)} is out of range: at most {format_duration(DURATION_MAX_MS)}")
+        problems.add(path, f"{_shown(value)} is out of range: at most {format_duration(DURATION_MAX_MS)}"
+                           f"{unit_hint(value)}")
 
 
 def _split_command(problems: _Problems, path: tuple[Any, ...], command: str | list[str],
@@ -424,7 +429,7 @@ def parse_manifest(text: str, source: str) -> Manifest:
         except yaml.MarkedYAMLError as exc:
             mark = exc.problem_mark or exc.context_mark
             where = f"{source}:{mark.line + 1}:{mark.column + 1}" if mark else source
-            raise ManifestError([f"{where}: YAML syntax error: {exc.problem or exc}"]) from None
+            raise ManifestError([f"{where}: YAML syntax error: {explain(exc, text)}"]) from None
         except yaml.YAMLError as exc:
             raise ManifestError([f"{source}: YAML error: {exc}"]) from None
         except LimitError as exc:

@@ -43,6 +43,24 @@ def _pos(mark: yaml.Mark) -> tuple[int, int]:
     return (mark.line + 1, mark.column + 1)
 
 
+def explain(exc: yaml.MarkedYAMLError, text: str) -> str:
+    """PyYAML's problem, said so that a new user sees the mistake behind the two that are nearly always one: a
+    tab (YAML indents with spaces only) and an unquoted value holding `: `."""
+    problem = str(exc.problem or exc)
+    mark = exc.problem_mark
+    lines = text.splitlines()
+    line = lines[mark.line] if mark is not None and mark.line < len(lines) else ""
+    indent = line[:len(line) - len(line.lstrip(" \t"))]
+    if mark is not None and "cannot start any token" in problem and \
+            ("\t" in line[mark.column:mark.column + 1] or "\t" in indent):
+        return "a tab character: YAML indents with spaces only; replace the tab with spaces"
+    if "mapping values are not allowed" in problem:
+        key, colon, value = line.strip().partition(": ")
+        example = f" ({key}: '{value.replace(chr(39), chr(39) * 2)}')" if colon and value and len(line) < 200 else ""
+        return f"{problem}: a value holding ': ' must be quoted{example}"
+    return problem
+
+
 _STR = "tag:yaml.org,2002:str"
 ALIAS_EXPANSION = 100_000  # values reached again through aliases, beyond as many as the document writes out
 MAX_DEPTH = 64  # a manifest is six levels deep; the walk recurses, and Python's stack is not a limit to meet

@@ -242,7 +242,41 @@ class Locker:
                             entry["Session"], dead)
                 self.client.session_destroy(entry["Session"])
                 reaped = True
+                # The key's value is a run's only record when it has no occurrence record (a run without
+                # --schedule): say how it ended there, as a scheduled run's next node does in its record.
+                try:
+                    why = f"{dead}; its session was destroyed and no result recorded"
+                    if self.record_end(entry["Key"], entry["Session"], {"state": "abandoned", "reason": why}):
+                        log.info("%s: the run is recorded abandoned in %s", self.spec.job, entry["Key"])
+                except ConsulrunError as exc:  # the lock is free, which is what reaping is for; readers judge it
+                    log.warning("%s: could not record the run abandoned in %s (%s)", self.spec.job, entry["Key"], exc)
         return reaped
+
+    def record_end(self, key: str, session: str, end: dict[str, Any], over_abandoned: bool = False,
+                   check: Callable[[dict[str, Any]], dict[str, Any]] | None = None) -> bool:
+        """Record in `key`'s value how the run of `session`, which no longer holds it, ended; True if written.
+
+        A check-and-set on the key as read: only a value still naming that run
+        as its holder (no end recorded, no holder since) is replaced, so a
+        later holder or an end already recorded is never overwritten; with
+        `over_abandoned`, the runner's own end also replaces an `abandoned`
+        guess about that same run. `check` makes the job's health check operation from the recorded run, as in
+        `release`.
+        """
+        _, entry = self.client.kv_get(key, consistent=True)
+        if not entry or entry.get("Session"):
+            return False
+        value = decoded(entry)
+        last = value.get("last")
+        if isinstance(last, dict):
+            if not (over_abandoned and last.get("session") == session and last.get("state") == "abandoned"):
+                return False
+            value = {k: v for k, v in last.items() if k not in ("state", "reason", "ended")}
+        elif value.get("session") != session:
+            return False
+        ended = {"state": "free", "last": {**value, "ended": now_iso(), **end}}
+        return self.client.txn([kv_op("cas", key, ended, Index=int(entry["ModifyIndex"])),
+                                *([check(ended["last"])] if check else [])], optional_checks=True) is not None
 
     def try_once(self, entries: dict[str, dict[str, Any]], claim: Claim | None = None) -> Held | None:
         """Acquire a free slot seen in `entries` (keeping our session either way); None if none was had.

@@ -140,9 +140,31 @@ def failure_facts(job: str, unit: str, env: dict[str, str] | None = None) -> dic
         status = status or shown.get("ExecMainStatus", "")
     journal = _journal(invocation, unit)
     found = OCCURRENCE_RE.findall(journal)
-    return {"CONSULRUN_JOB": job, "CONSULRUN_NODE": socket.gethostname(), "CONSULRUN_UNIT": unit,
+    return {"CONSULRUN_JOB": job, "CONSULRUN_NODE": _node(job, journal, invocation), "CONSULRUN_UNIT": unit,
             "CONSULRUN_RESULT": result, "CONSULRUN_EXIT_STATUS": status, "CONSULRUN_INVOCATION_ID": invocation,
             "CONSULRUN_OCCURRENCE": found[-1] if found else "", "CONSULRUN_JOURNAL": journal}
+
+
+def _node(job: str, journal: str, invocation: str) -> str:
+    """The Consul node name the run used, as its `acquired` line says (the rest of consulrun names nodes so; it
+    may differ from the host name); the host name if the run never acquired (it could not reach its agent)."""
+    pattern = re.compile(rf"^consulrun: {re.escape(job)}: acquired \S+ .*\(node (\S+), session ", re.M)
+    found = pattern.findall(journal)
+    if not found and invocation:  # the line is near the run's start, before the last lines shown
+        found = pattern.findall(_journal_head(invocation))
+    return found[-1] if found else socket.gethostname()
+
+
+def _journal_head(invocation: str, lines: int = 200) -> str:
+    """The first `lines` lines of one invocation's journal."""
+    try:
+        with subprocess.Popen(["journalctl", "--no-pager", "-q", "-o", "cat", f"_SYSTEMD_INVOCATION_ID={invocation}"],
+                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True) as proc:
+            head = [line for _, line in zip(range(lines), proc.stdout or [])]
+            proc.kill()
+    except OSError:
+        return ""
+    return "".join(head)
 
 
 def _systemctl_show(unit: str, props: list[str]) -> dict[str, str]:

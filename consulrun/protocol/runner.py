@@ -289,8 +289,9 @@ def _run_held(request: RunRequest, locker: Locker, held: Held, fencing: Fencing,
         which = f" for a manual run asked for by {claim.get('requested_by')}"
     elif claim:
         which = f" for occurrence {claim['occurrence']}" + (", taking over from a dead runner," if claim["takeover"] else "")
-    log.info("%s: acquired %s%s (session %s, fencing token %d)", spec.job, held.key, which, held.session,
-             held.fencing_token)
+    # The node is Consul's name for it (on-failure reads it from this line: it can differ from the host name).
+    log.info("%s: acquired %s%s (node %s, session %s, fencing token %d)", spec.job, held.key, which,
+             printable(locker.node_name()), held.session, held.fencing_token)
     watcher = Watcher(locker.client, spec, held, fencing)
     job: Job | None = None
     outcome: dict[str, Any] = {}
@@ -476,7 +477,14 @@ def _record_and_release(locker: Locker, held: Held, ledger: occurrence.Ledger | 
     if not (ledger and claim):
         if locker.release(held, outcome, check=check) or locker.released_by_us(held):
             return True  # (or an earlier attempt went through and its answer was lost)
-        log.warning("%s: the lock was no longer ours when the job ended; its value keeps the holder", job)
+        # Fenced (a forced unlock, the session invalidated): the key's value is this run's only record.
+        end = outcome or {"lost": "consulrun stopped before the job ended"}
+        if locker.record_end(held.key, held.session, end, over_abandoned=True, check=check):
+            log.warning("%s: the lock was no longer ours when the job ended; the result is recorded (%s)", job,
+                        "lost" if end.get("lost") else f"exit status {end.get('exit_status')}")
+        else:
+            log.warning("%s: the lock was no longer ours when the job ended and is held again or its run's end "
+                        "recorded; this run's result is not recorded", job)
         return False
     if claim.get("manual"):  # a triggered run is no occurrence: its history entry is all it records
         state = "lost" if outcome.get("lost") or not outcome else "done"

@@ -16,7 +16,7 @@ from datetime import datetime, timezone
 
 from consulrun.consul.client import Client, decoded
 from consulrun.protocol import pause
-from consulrun.report.status import NoState, parse_time, probe, seconds_between
+from consulrun.report.status import ABANDONED_UNRECORDED, NoState, parse_time, probe, seconds_between
 
 TYPE_CHECKING = False  # typing's own flag without importing typing on every run
 if TYPE_CHECKING:
@@ -105,9 +105,16 @@ def rows_of(keys: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
     sessions = {r.get("session") for record in records.values() for r in [record, *(record.get("earlier") or [])]
                 if isinstance(r, dict)}
     for key, entry in sorted(keys.items()):
-        last = decoded(entry).get("last") if key == "lock" or key.startswith("slots/") else None
+        if key != "lock" and not key.startswith("slots/"):
+            continue
+        value = decoded(entry)
+        last = value.get("last")
         if isinstance(last, dict) and last.get("session") not in sessions:
             rows.append(_row(last, manual=True))  # a run without --schedule: no occurrence record
+        elif not entry.get("Session") and value.get("session") and value.get("started") and \
+                value.get("session") not in sessions:
+            # A holder's value that no session holds: its runner died and nobody recorded its end (status agrees).
+            rows.append(_row(value, manual=True, state="abandoned", reason=ABANDONED_UNRECORDED))
     return newest_first(rows)
 
 
@@ -121,11 +128,11 @@ def table(rows: list[dict[str, Any]], now: datetime) -> list[list[str]]:
         elif r["state"] in ("lost", "abandoned", "running"):
             result = r["state"]
         else:
-            result = f"exit {r['exit_status']}" if r["exit_status"] is not None else (r["state"] or "?")
+            result = f"exit {r['exit_status']}" if r["exit_status"] is not None else (r["state"] or "-")
         notes = [n for n, on in (("takeover", r["takeover"]), ("manual", r["manual"])) if on]
         if r["reason"] and r["state"] != "skipped":
             notes.append(str(r["reason"]))
         out.append([r["occurrence"] or "-", str(r["attempt"] or "-"),
-                    r["node"] or ("-" if r["state"] == "skipped" else "?"), cell(r["started"], now),
+                    r["node"] or "-", cell(r["started"], now),
                     span(r["duration_s"]) if r["duration_s"] is not None else "-", result, "; ".join(notes) or "-"])
     return out

@@ -194,6 +194,21 @@ class Expectations:
         return None
 
 
+ABANDONED_UNRECORDED = "its runner's session no longer holds the lock and no result was recorded"
+
+
+def which_run(record: dict[str, Any], otherwise: str = "the last run") -> str:
+    """The run a record is of, for a line: its occurrence (a run without --schedule has none: its start), and
+    its node when known; never a placeholder."""
+    if record.get("occurrence"):
+        what = f"occurrence {record['occurrence']}"
+    elif record.get("started"):
+        what = f"the run started {record['started']}"
+    else:
+        what = otherwise
+    return what + (f" on {record['node']}" if record.get("node") else "")
+
+
 def _judge_record(status: JobStatus, record: dict[str, Any], expect: Expectations | None, now: datetime) -> None:
     state = record.get("state")
     if state is None and record.get("lost"):  # a run without --schedule: only the lock's `last` tells
@@ -202,14 +217,13 @@ def _judge_record(status: JobStatus, record: dict[str, Any], expect: Expectation
     sessions = {h["session"] for h in status.holders}
     if state == "running" and record.get("session") and record["session"] not in sessions:
         status.last = {**(status.last or {}), "state": "abandoned",
-                       "reason": "its runner's session no longer holds the lock and no result was recorded"}
+                       "reason": ABANDONED_UNRECORDED}
         state = "abandoned"
     if state in ("lost", "abandoned"):
         reason = (status.last or {}).get("reason") or "no reason recorded"
-        status.problem(state, f"occurrence {record.get('occurrence') or '?'} on {record.get('node') or '?'} "
-                              f"was {state}: {reason}", occurrence=record.get("occurrence"))
+        status.problem(state, f"{which_run(record)} was {state}: {reason}", occurrence=record.get("occurrence"))
     elif record.get("exit_status") not in (None, 0):
-        status.problem("failed", f"last run on {record.get('node') or '?'} exited {record['exit_status']}",
+        status.problem("failed", f"{which_run(record, 'last run')} exited {record['exit_status']}",
                        occurrence=record.get("occurrence"))
     if record.get("occurrence"):  # a record "in the future" is a finding, not an order (runs refuse it)
         following = calendar.following(list(expect.schedules), now) if expect and expect.schedules else None
@@ -220,8 +234,7 @@ def _judge_record(status: JobStatus, record: dict[str, Any], expect: Expectation
         return
     started = parse_time(record.get("started"))
     if state == "running" and expect.timeout_s and started and now - started > timedelta(seconds=expect.timeout_s):
-        status.problem("overdue", f"occurrence {record.get('occurrence') or '?'} has run for "
-                                  f"{(now - started).total_seconds():.0f}s on {record.get('node') or '?'}, "
+        status.problem("overdue", f"{which_run(record)} has run for {(now - started).total_seconds():.0f}s, "
                                   f"longer than its timeout ({expect.timeout_s:.0f}s)",
                        occurrence=record.get("occurrence"))
     due = calendar.previous(list(expect.schedules), now - timedelta(seconds=expect.lag_s)) if expect.schedules else None
@@ -391,7 +404,8 @@ def table(statuses: list[JobStatus], now: datetime) -> list[list[str]]:
             code = f"exit {last['exit_status']}" if last.get("exit_status") is not None else (last.get("state") or "")
             if last.get("state") in ("lost", "abandoned", "running"):
                 code = last["state"]
-            result = f"{code}{took} on {last.get('node') or '?'}" + (" (takeover)" if last.get("takeover") else "")
+            result = f"{code}{took}" + (f" on {last['node']}" if last.get("node") else "") + \
+                (" (takeover)" if last.get("takeover") else "")
         worst = s.health()
         kind = next((p["kind"] for p in s.problems if PROBLEM_HEALTH[p["kind"]] == worst), None)
         state = kind or ("paused" if s.paused else s.state)

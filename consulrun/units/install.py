@@ -106,6 +106,13 @@ def plan(units: dict[str, str], unit_dir: Path, name: str) -> Plan:
     return result
 
 
+def systemctl_text(args: list[str], root: Path | None) -> str:
+    """The systemctl command line `_systemctl` runs, as a line to show (with --root=, as it is run)."""
+    import shlex
+
+    return " ".join(["systemctl", *([shlex.quote(f"--root={root}")] if root else []), *args])
+
+
 def _systemctl(args: list[str], root: Path | None) -> None:
     cmd = ["systemctl", *([f"--root={root}"] if root else []), *args]
     result = subprocess.run(cmd, capture_output=True, text=True)
@@ -134,7 +141,7 @@ def apply(p: Plan, *, start: bool, root: Path | None) -> list[str]:
         done.append(f"wrote {len(written)} unit file(s), removed {len(p.remove)}")
         for call in calls:
             _systemctl(call, root)
-            done.append("systemctl " + " ".join(call))
+            done.append(systemctl_text(call, root))
     except (OSError, InstallError) as exc:
         _restore(p, written, root)
         reason = exc if isinstance(exc, InstallError) else f"{getattr(exc, 'filename', '') or p.unit_dir}: {os_reason(exc)}"
@@ -195,7 +202,8 @@ def _carry_out(the_plan: Plan, report: Report, *, dry_run: bool, start: bool, ro
     if dry_run:
         report.diff.append(the_plan.diff())
         report.lines += [f"would remove: {removed}"] if removed else []
-        report.lines += ["would run: systemctl " + " ".join(call) for call in the_plan.actions(start, root is not None)]
+        report.lines += ["would run: " + systemctl_text(call, root)
+                         for call in the_plan.actions(start, root is not None)]
         report.lines += ["up to date"] if the_plan.empty else []
         return report
     if the_plan.empty:
