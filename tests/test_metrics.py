@@ -89,6 +89,22 @@ def test_held_job_is_held(consul: Agent, tmp_path: Path) -> None:
         finish(holder)
 
 
+def test_a_paused_job_says_since_when(consul: Agent) -> None:
+    """The gauge the ConsulrunJobPausedTooLong alert reads: the pause's start, only while a pause is in force."""
+    assert finish(consulrun("run", "paused", "--", "true"))[0] == 0
+    before = time.time()
+    code, _, err = finish(consulrun("pause", "paused", "--reason", "maintenance"))
+    assert code == 0, err
+    code, text, err = export("--textfile", "-")
+    assert code == 0, err
+    promtool_check(text)
+    since = samples(text).get(("consulrun_job_paused_since_timestamp_seconds", (("job_name", "paused"),)))
+    assert since is not None and before - 2 <= since <= time.time(), text
+    assert finish(consulrun("resume", "paused"))[0] == 0
+    code, text, err = export("--textfile", "-")
+    assert code == 0 and "consulrun_job_paused_since_timestamp_seconds{" not in text, text
+
+
 def test_manifest_schedule_makes_missed_runs_a_state(consul: Agent, tmp_path: Path) -> None:
     """With the manifest, the exporter judges as `status` does: an every-second job that ran once is soon missed."""
     manifest = tmp_path / "jobs.yaml"

@@ -161,6 +161,9 @@ class ClusterMetrics:
             "state": GaugeMetricFamily("consulrun_job_state",
                                        "1 if the job is in this state (held, or a problem `consulrun status` "
                                        "reports), else 0.", labels=["job_name", "state"]),
+            "paused": GaugeMetricFamily("consulrun_job_paused_since_timestamp_seconds",
+                                        "When the pause in force began (`consulrun pause`); absent for a job "
+                                        "that is not paused.", labels=["job_name"]),
             "health": GaugeMetricFamily("consulrun_job_health",
                                         "`consulrun status` verdict for the job, as its exit status: 0 ok, 1 last "
                                         "run failed/lost/abandoned, 3 missed, 4 overdue, 5 holder unhealthy.",
@@ -170,7 +173,8 @@ class ClusterMetrics:
             last = s.last or {}
             values = {"start": _ts(last.get("started")), "end": _ts(last.get("ended")),
                       "duration": last.get("duration_s"), "exit": last.get("exit_status"),
-                      "success": self._success.get(s.job)}
+                      "success": self._success.get(s.job),
+                      "paused": _ts((s.paused or {}).get("at")) if s.paused else None}
             for name, value in values.items():
                 if isinstance(value, (int, float)) and not isinstance(value, bool):
                     families[name].add_metric([s.job], float(value))
