@@ -12,6 +12,7 @@ import json
 import os
 import socket
 import subprocess
+import sys
 from collections.abc import Iterator
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
@@ -111,6 +112,54 @@ def test_a_rewritten_pid_never_makes_the_holders_own_node_destroy_its_live_sessi
     assert code == 0 and "lock lost" not in err, err
 
 
+def test_a_value_forged_before_the_acquisition_is_confirmed_meets_the_holders_mark(
+        consul: Agent, tmp_path: Path) -> None:
+    """Between the acquisition's commit and its confirmation (a read that an election can stretch to a TTL), the
+    value is already in Consul: the holder's mark must be bound by then, or a forged pid gets its session reaped."""
+    from tests.test_faults import at, go, hooks
+
+    holder = consulrun("run", "jw", "--", "true", env=hooks(tmp_path, "committed"))
+    try:
+        at(tmp_path, "committed")
+        entry = lock_entry(consul, "consulrun/jw/lock")
+        value = kv_json(consul, "consulrun/jw/lock")
+        assert put(consul, "consulrun/jw/lock", {**value, "pid": 4999999, "pid_start": 1})
+        code, _, err = run("reap", "jw")
+        assert code == 0 and "destroying the session" not in err, err
+        assert consul.get(f"session/info/{entry['Session']}")
+    finally:
+        go(tmp_path, "committed")
+    code, _, err = finish(holder)
+    assert code == 0 and "acquired consulrun/jw/lock" in err, err
+
+
+NO_UNIX_SOCKETS = """
+import os, socket, sys, seccomp
+f = seccomp.SyscallFilter(defaction=seccomp.ALLOW)
+f.add_rule(seccomp.ERRNO(97), "socket", seccomp.Arg(0, seccomp.EQ, socket.AF_UNIX))  # EAFNOSUPPORT
+f.load()
+os.execv(sys.argv[1], sys.argv[1:])
+"""
+
+
+def test_unix_sockets_denied_runs_the_job_and_reap_waits_for_the_ttl(consul: Agent, tmp_path: Path) -> None:
+    """RestrictAddressFamilies=AF_INET AF_INET6 leaves no unix sockets: the holder runs without its mark, and a
+    reap that cannot look at marks proves nothing dead (the session's TTL frees the lock)."""
+    launcher = tmp_path / "nounix.py"
+    launcher.write_text(NO_UNIX_SOCKETS)
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    denied = ["/usr/bin/python3", str(launcher), sys.executable, "-m", "consulrun"]
+    probe = subprocess.run(denied[:3] + ["-c", "import socket; socket.socket(socket.AF_UNIX)"], capture_output=True,
+                           text=True)
+    assert "Address family not supported" in probe.stderr, probe.stderr  # the filter really denies it
+    done = subprocess.run([*denied, "run", "--schedule", "*:0/5", "ju", "--", "sh", "-c", "echo RAN-U"], env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and "RAN-U" in done.stdout and "Traceback" not in done.stderr, done.stderr
+    assert kv_json(consul, "consulrun/ju/occurrence")["state"] == "done"
+    reaped = subprocess.run([*denied, "reap", "ju"], env=env, capture_output=True, text=True, timeout=60)
+    assert reaped.returncode == 0 and "Traceback" not in reaped.stderr, reaped.stderr
+
+
 # --- 3. Values consulrun never writes ----------------------------------------------------------------------
 
 DEEP = "[" * 100_000 + "]" * 100_000
@@ -122,10 +171,14 @@ NOW = iso(datetime.now(timezone.utc))
     ("occurrence", {"occurrence": 5}, "'occurrence'"),
     ("occurrence", {"occurrence": "2026-01-01T00:00:00Z", "state": "running", "session": [1]}, "'session'"),
     ("occurrence", "[1, 2]", "not an object"),
+    ("occurrence", {"occurrence": "0001-01-01T00:00:00+01:00", "state": "done"}, "'occurrence'"),
+    ("occurrence", {"state": "running"}, "'occurrence' is missing"),
     ("occurrence", "{not json", "not JSON"),
     ("lock", DEEP, "nests deeper"),
     ("history/2026-01-01T00:00:00Z", {"occurrence": "2026-01-01T00:00:00Z", "started": 5, "state": "done"},
      "'started'"),
+    ("history/2026-01-01T00:00:00Z", {"occurrence": "2026-01-01T00:00:00Z", "started": "9999-12-31T23:30:00-01:00",
+                                      "state": "done"}, "'started'"),
     ("history/2026-01-01T00:00:00Z", {"occurrence": "2026-01-01T00:00:00Z", "earlier": [{"attempt": "one"}]},
      "'earlier[0].attempt'"),
 ], ids=lambda v: v if isinstance(v, str) and len(v) < 40 else "deep" if v is DEEP else None)

@@ -77,6 +77,8 @@ def decode(entry: dict[str, Any] | None) -> dict[str, Any]:
         raise MalformedValue(key, f"the value is JSON {_kind(value)}, not an object")
     _shape(key, value)
     why = _fields(value)
+    if why is None and key.endswith("/occurrence"):  # every record consulrun writes there names both
+        why = next((f"field {name!r} is missing" for name in ("occurrence", "state") if name not in value), None)
     if why:
         raise MalformedValue(key, why)
     return value
@@ -139,9 +141,10 @@ def _is_time(value: Any) -> bool:
         return False
     try:
         when = datetime.fromisoformat(value.replace("Z", "+00:00"))
-    except ValueError:
+        # In UTC, and after 1970: a zone shift past year 1 or 9999 would overflow every reader's arithmetic.
+        return when.tzinfo is not None and when.astimezone(timezone.utc).year >= 1970
+    except (ValueError, OverflowError):
         return False
-    return when.tzinfo is not None
 
 
 def _shown(value: Any) -> str:

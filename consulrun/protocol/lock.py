@@ -296,6 +296,9 @@ class Locker:
                     self.shield(True)
                     try:
                         ops = [kv_op("lock", key, value, Session=session), *(claim(value) if claim else [])]
+                        # The mark before the value exists: a value forged between the acquisition and its
+                        # confirmation must already meet a live mark (procinfo).
+                        self._mark(session)
                         try:
                             results = self.client.txn(ops)
                         except ConsulUnavailable:
@@ -305,6 +308,7 @@ class Locker:
                             if results is None:  # it did not go through: an outage (retried if an election), no lost race
                                 raise
                         if results is not None:
+                            testhook.pause("committed")  # the value is in Consul, not yet confirmed as ours
                             held = self.confirm_ours(key, value, results)
                     finally:
                         if held is None:  # a signal held back meanwhile is raised now
@@ -362,6 +366,11 @@ class Locker:
             except ConsulUnavailable:
                 pass  # an election: the new leader restarts every session's TTL
 
+    def _mark(self, session: str) -> None:
+        """Bind `session`'s mark once; it is kept until this process exits (procinfo.hold_marker)."""
+        if session not in self._marks:
+            self._marks[session] = hold_marker(session)
+
     def confirm_ours(self, key: str, value: dict[str, Any] | None = None,
                      results: list[dict[str, Any]] | None = None) -> Held | None:
         """Held, if `key` is held by our current session (read consistently); None otherwise.
@@ -374,8 +383,7 @@ class Locker:
         idx, entry, sent = self._read_again(key)
         if not entry or entry.get("Session") != self.session:
             return None
-        if self.session not in self._marks:
-            self._marks[self.session] = hold_marker(self.session)  # kept until this process exits (procinfo)
+        self._mark(self.session)
         return Held(key=key, session=self.session, fencing_token=int(entry["ModifyIndex"]), index=idx,
                     value=value if value is not None else decoded(entry), confirmed_at=sent, results=results or [])
 

@@ -132,7 +132,10 @@ def hold_marker(session: str) -> socket.socket | None:
     """Bind the session's mark; keep the socket for as long as the process may hold the lock. None if it could
     not be bound (a probe holds it for a moment: tried again a few times; then a forged value goes undetected)."""
     for _ in range(20):
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        except OSError:  # unix sockets denied (RestrictAddressFamilies=): no mark, and reap cannot tell either
+            return None
         try:
             sock.bind(_MARK + session)
             return sock
@@ -144,7 +147,10 @@ def hold_marker(session: str) -> socket.socket | None:
 
 def marker_held(session: str) -> bool:
     """Whether a live process here (in this network namespace) holds the mark of `session`."""
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    except OSError:  # unix sockets denied here: the mark cannot be looked at, so nothing is provably dead
+        return True
     try:
         sock.bind(_MARK + session)
     except OSError:  # in use (a live holder), or any other refusal: either way not provably dead
