@@ -363,3 +363,24 @@ def test_a_nodes_ssh_output_reaches_the_terminal_escaped(sshd: Sshd, tmp_path: P
     assert code == 0, out + err
     assert not any(c in out + err for c in CONTROL if c != "\n"), repr(out + err)
     assert "\\x1b]0;pwned\\x07\\r[1/1] prod-db: ok: installed" in err and "\\x1b[2Jwiped" in err, err
+
+
+def test_unlock_force_breaks_a_lock_whose_value_is_forged(consul: Agent, tmp_path: Path) -> None:
+    """`unlock --force` judges the holder from its session when the value is not one consulrun writes: the safe
+    way to break a lock must not be lost exactly when someone rewrote it."""
+    started = tmp_path / "started"
+    holder = consulrun("run", "jc", "--", "sh", "-c", f"touch {started}; exec sleep 120")
+    try:
+        wait_for(started.exists, 30, "the holder's job")
+        session = lock_entry(consul, "consulrun/jc/lock")["Session"]
+        assert put(consul, "consulrun/jc/lock", [1])
+        code, _, err = run("unlock", "jc", "--yes")
+        assert code == 65 and "consulrun/jc/lock" in err, err  # without --force: the value is named, nothing done
+        code, out, err = run("unlock", "jc", "--yes", "--force")
+        assert code == 0 and f"will destroy session {session} of {consul.name}" in err, err
+        assert "value is JSON an array" in err and "None" not in err, err
+        assert not consul.get(f"session/info/{session}")
+    finally:
+        code, _, err = finish(holder)
+    assert code == 75, err
+

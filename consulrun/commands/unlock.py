@@ -39,7 +39,7 @@ def unlock(targets: tuple[str, ...], prefix: str | None, yes: bool, force: bool,
     kv_prefix = prefix or (loaded.kv_prefix if loaded else "consulrun")
     client = Client(consul_config(consul, loaded.consul if loaded else None))
     try:
-        holders = state.job_holders(client, kv_prefix, job)
+        holders = state.job_holders(client, kv_prefix, job, malformed_ok=force)
     except state.NoState as exc:
         raise with_suggestion(exc, jobs, loaded, client, kv_prefix) from None
     if not holders:
@@ -47,7 +47,10 @@ def unlock(targets: tuple[str, ...], prefix: str | None, yes: bool, force: bool,
         return
     for holder in holders:
         holder = {k: printable(v) if isinstance(v, str) else v for k, v in holder.items()}  # text from Consul
-        who = f"{holder['node']} (pid {holder['pid']}, since {holder['since']})"
+        facts = [f"pid {holder['pid']}" if holder["pid"] is not None else "",
+                 f"since {holder['since']}" if holder["since"] else ""]
+        who = f"{holder['node'] or 'a session with no node'}" + (f" ({', '.join(f for f in facts if f)})"
+                                                                    if any(facts) else "")
         if holder["healthy"] and not force:
             raise ConsulrunError(f"{job} is held by {who} with session {holder['session']}, which is healthy "
                                  f"({holder['health']}); use --force to break it anyway")

@@ -23,7 +23,7 @@ from datetime import datetime, timedelta, timezone
 from typing import TYPE_CHECKING, Any, Callable
 
 from consulrun.consul.client import Client, decoded
-from consulrun.errors import ConsulrunError, PermissionDenied
+from consulrun.errors import ConsulrunError, MalformedValue, PermissionDenied
 from consulrun.manifest import calendar
 from consulrun.protocol import procinfo
 from consulrun.protocol.health import LAST_FIELDS
@@ -353,8 +353,11 @@ def collect(client: Client, prefix: str, manifest: Manifest | None, *, only: tup
     return idx, statuses
 
 
-def job_holders(client: Client, prefix: str, job: str) -> list[dict[str, Any]]:
-    """The judged holders of one job's lock (or slots); NoState if the job has no state at all."""
+def job_holders(client: Client, prefix: str, job: str, malformed_ok: bool = False) -> list[dict[str, Any]]:
+    """The judged holders of one job's lock (or slots); NoState if the job has no state at all.
+
+    With `malformed_ok` (`unlock --force`), a lock whose value is not one consulrun writes is still a holder,
+    judged from its session alone: breaking a lock must not depend on what anyone with KV write put in it."""
     base = f"{prefix.strip('/')}/{job}/"
     _, entries = client.kv_tree(base)
     if not entries:
@@ -363,8 +366,20 @@ def job_holders(client: Client, prefix: str, job: str) -> list[dict[str, Any]]:
                       "(wrong job name or --prefix?)")
     judge = HolderJudge(client)
     keys = {e["Key"][len(base):]: e for e in entries}
-    return [judge.holder(e) for k, e in sorted(keys.items())
-            if (k == "lock" or k.startswith("slots/")) and e.get("Session")]
+    holders = []
+    for k, e in sorted(keys.items()):
+        if not ((k == "lock" or k.startswith("slots/")) and e.get("Session")):
+            continue
+        try:
+            holders.append(judge.holder(e))
+        except MalformedValue as exc:
+            if not malformed_ok:
+                raise
+            info = client.session_visible(e["Session"])
+            healthy, why = session_health(info, judge.node_checks, client)
+            holders.append({"key": e["Key"], "node": (info or {}).get("Node"), "since": None, "session": e["Session"],
+                            "pid": None, "unit": None, "healthy": healthy, "health": f"{why}; {exc.message}"})
+    return holders
 
 
 def verdict(statuses: list[JobStatus]) -> Health:
