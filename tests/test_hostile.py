@@ -14,7 +14,7 @@ import socket
 import subprocess
 import sys
 from collections.abc import Iterator
-from datetime import datetime, timedelta, timezone
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
