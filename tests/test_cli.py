@@ -319,3 +319,10 @@ def test_a_dry_run_into_an_image_shows_systemctl_with_its_root(manifest: Path, t
     runs = [line for line in out.splitlines() if line.startswith("would run: ")]
     assert runs and all(line.startswith(f"would run: systemctl --root={image} enable ") for line in runs), out
     assert not (image / "etc").exists()
+
+
+def test_a_dry_run_uninstall_of_a_name_with_no_units_says_so(tmp_path: Path) -> None:
+    """A typo in `uninstall --name` must not read as success: 'up to date' is what install says."""
+    code, out, err = invoke("uninstall", "--name", "mine", "--root", str(tmp_path), "--dry-run")
+    assert code == 0, err
+    assert out.strip() == f"nothing to remove: no unit of manifest 'mine' in {tmp_path}/etc/systemd/system", out

@@ -98,3 +98,11 @@ def test_more_keys_than_one_transaction_holds_are_forgotten_in_guarded_batches(c
     assert code == 0, err
     assert out == f"long-lived: forgotten ({len(before)} key(s))\n"
     assert keys_of(consul, "long-lived") == []
+
+
+def test_a_job_with_no_state_is_named_and_no_manifest_is_suggested(consul: Agent) -> None:
+    """What forget deletes is the state in Consul, so 'give its MANIFEST' (pause's hint) would send a user astray."""
+    hold(consul, "backup")
+    code, out, err = finish(consulrun("forget", "backpu", "--yes"))
+    assert (code, out) == (6, "") and "no such job with state under consulrun/ in Consul: backpu" in err, err
+    assert "did you mean 'backup'" in err and "MANIFEST" not in err, err

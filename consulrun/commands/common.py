@@ -86,7 +86,8 @@ def consul_jobs(client: Client, kv_prefix: str) -> set[str]:
     return set(read_prefix(client, kv_prefix.strip("/") + "/")[1])
 
 
-def check_jobs(jobs: Iterable[str], loaded: Manifest | None, client: Client | None, kv_prefix: str) -> None:
+def check_jobs(jobs: Iterable[str], loaded: Manifest | None, client: Client | None, kv_prefix: str,
+               manifest_helps: bool = True) -> None:
     """Refuse (exit 6, with a "did you mean") a JOB that is not one: not in the manifest when one is given, else
     with no state under the prefix in Consul; so a typo pauses (or resumes, triggers, forgets) no phantom."""
     from consulrun.report.status import NoState
@@ -100,7 +101,7 @@ def check_jobs(jobs: Iterable[str], loaded: Manifest | None, client: Client | No
     unknown = list(dict.fromkeys(job for job in jobs if job not in known and job != WATCHDOG_JOB))
     if unknown:
         raise NoState(f"no such job {where}: {', '.join(unknown)}{did_you_mean(unknown, known)}"
-                      + ("" if loaded else " (a job that has never run: give its MANIFEST)"))
+                      + ("" if loaded or not manifest_helps else " (a job that has never run: give its MANIFEST)"))
 
 
 def with_suggestion(exc: Exception, jobs: Iterable[str], loaded: Manifest | None, client: Client,

@@ -33,7 +33,8 @@ def forget(targets: tuple[str, ...], prefix: str | None, yes: bool, **consul: st
     job = jobs[0]
     kv_prefix = (prefix if prefix is not None else (loaded.kv_prefix if loaded else "consulrun")).strip("/")
     client = Client(consul_config(consul, loaded.consul if loaded else None))
-    check_jobs(jobs, None, client, kv_prefix)  # the state in Consul is what is forgotten, in the manifest or not
+    # The state in Consul is what is forgotten, in the manifest or not (so no manifest can help find it).
+    check_jobs(jobs, None, client, kv_prefix, manifest_helps=False)
     found = forgetting.look(client, kv_prefix, job)
     click.echo(f"{job}: will delete:", err=True)
     for line in found.lines():

@@ -204,7 +204,7 @@ def _carry_out(the_plan: Plan, report: Report, *, dry_run: bool, start: bool, ro
         report.lines += [f"would remove: {removed}"] if removed else []
         report.lines += ["would run: " + systemctl_text(call, root)
                          for call in the_plan.actions(start, root is not None)]
-        report.lines += ["up to date"] if the_plan.empty else []
+        report.lines += [done] if the_plan.empty else []  # uninstall: "nothing to remove", not "up to date"
         return report
     if the_plan.empty:
         report.lines.append(done)
