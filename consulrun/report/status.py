@@ -137,12 +137,22 @@ class HolderJudge:
                 self._node = None
         return self._node  # type: ignore[return-value]
 
-    def holder(self, entry: dict[str, Any]) -> dict[str, Any]:
+    def holder(self, entry: dict[str, Any], malformed_ok: bool = False) -> dict[str, Any]:
         """The holder of `entry`'s lock: its node as Consul's session says (the value may be rewritten by anyone
-        with KV write), and the value's pid judged only where it agrees with that session (procinfo)."""
-        value = decoded(entry)
+        with KV write), and the value's pid judged only where it agrees with that session (procinfo).
+
+        With `malformed_ok`, a value consulrun never writes leaves the holder judged from its session alone, the
+        value's fault named in its health, instead of raising MalformedValue."""
+        malformed = None
+        try:
+            value = decoded(entry)
+        except MalformedValue as exc:
+            if not malformed_ok:
+                raise
+            value, malformed = {}, exc.message
         info = self.client.session_visible(entry["Session"])
         healthy, why = session_health(info, self.node_checks, self.client)
+        why = f"{why}; {malformed}" if malformed else why
         if healthy and value.get("boot_id") and value.get("boot_id") == procinfo.boot_id():
             dead = procinfo.provably_dead(value, self.local_node(), info)
             if dead:
@@ -366,20 +376,8 @@ def job_holders(client: Client, prefix: str, job: str, malformed_ok: bool = Fals
                       "(wrong job name or --prefix?)")
     judge = HolderJudge(client)
     keys = {e["Key"][len(base):]: e for e in entries}
-    holders = []
-    for k, e in sorted(keys.items()):
-        if not ((k == "lock" or k.startswith("slots/")) and e.get("Session")):
-            continue
-        try:
-            holders.append(judge.holder(e))
-        except MalformedValue as exc:
-            if not malformed_ok:
-                raise
-            info = client.session_visible(e["Session"])
-            healthy, why = session_health(info, judge.node_checks, client)
-            holders.append({"key": e["Key"], "node": (info or {}).get("Node"), "since": None, "session": e["Session"],
-                            "pid": None, "unit": None, "healthy": healthy, "health": f"{why}; {exc.message}"})
-    return holders
+    return [judge.holder(e, malformed_ok) for k, e in sorted(keys.items())
+            if (k == "lock" or k.startswith("slots/")) and e.get("Session")]
 
 
 def verdict(statuses: list[JobStatus]) -> Health:
