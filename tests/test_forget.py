@@ -39,6 +39,11 @@ def test_forget_shows_asks_and_deletes_in_one_transaction(catalog: Agent) -> Non
     assert f"{len(before)} key(s) under consulrun/gone/:" in err and "  consulrun/gone/occurrence" in err
     assert "health check job:gone on node consulrun" in err
     assert keys_of(catalog, "gone") == before
+    proc = consulrun("forget", "gone", stdin=subprocess.DEVNULL)  # nothing can answer: a cron job, `< /dev/null`
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 1 and "Aborted" not in err, err
+    assert "Error: no answer on standard input; nothing changed (--yes answers yes)" in err
+    assert keys_of(catalog, "gone") == before
 
     applied = _raft_applied(catalog)
     code, out, err = finish(consulrun("forget", "gone", "--yes"))

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from consulrun.commands.runargs import WATCHDOG_JOB
-from consulrun.errors import UsageError, os_reason
+from consulrun.errors import ConsulrunError, UsageError, os_reason
 from consulrun.manifest.schema import name_problem
 
 if TYPE_CHECKING:
@@ -42,6 +42,20 @@ def read_manifest(manifest: Path) -> tuple["Manifest", str]:
 
     text, source = read_text(manifest)
     return parse_manifest(text, source), text
+
+
+def confirm(question: str) -> None:
+    """Ask QUESTION on standard input (prompt on stderr); refuse with nothing changed on "no", and on no answer
+    at all (closed standard input, e.g. a cron job or `< /dev/null`), which click would report only as "Aborted!"."""
+    import click
+
+    try:
+        answer = click.confirm(question, err=True)
+    except click.Abort:
+        click.echo("", err=True)
+        raise ConsulrunError("no answer on standard input; nothing changed (--yes answers yes)") from None
+    if not answer:
+        raise ConsulrunError("not confirmed; nothing changed")
 
 
 def interruptible() -> None:

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import click
 
-from consulrun.commands.common import check_jobs, manifest_and_jobs
+from consulrun.commands.common import check_jobs, confirm, manifest_and_jobs
 from consulrun.commands.options import consul_config, consul_options, manifest_prefix_option, yes_option
-from consulrun.errors import ConsulrunError, UsageError
+from consulrun.errors import UsageError
 
 
 @click.command()
@@ -42,7 +42,7 @@ def forget(targets: tuple[str, ...], prefix: str | None, yes: bool, **consul: st
     if loaded is not None and job in {j.name for j in loaded.jobs}:
         click.echo(f"warning: {job} is still a job of {loaded.source}: its next run starts its state afresh",
                    err=True)
-    if not yes and not click.confirm(f"Forget {job}?", err=True):
-        raise ConsulrunError("not confirmed; nothing changed")
+    if not yes:
+        confirm(f"Forget {job}?")
     forgetting.forget(client, found)
     click.echo(f"{job}: forgotten ({len(found.keys)} key(s)" + (", its health check" if found.check else "") + ")")

@@ -6,7 +6,7 @@ import logging
 
 import click
 
-from consulrun.commands.common import manifest_and_jobs, with_suggestion
+from consulrun.commands.common import confirm, manifest_and_jobs, with_suggestion
 from consulrun.commands.options import consul_config, consul_options, manifest_prefix_option, yes_option
 from consulrun.commands.runargs import setup_logging as _setup_logging
 from consulrun.errors import ConsulrunError, UsageError
@@ -57,8 +57,8 @@ def unlock(targets: tuple[str, ...], prefix: str | None, yes: bool, force: bool,
         click.echo(f"{job}: will destroy session {holder['session']} of {who} ({holder['health']}); Consul then "
                    "frees the lock and keeps it from everyone for the session's lock-delay"
                    + ("; a live holder kills its job (exit 75)" if holder["healthy"] else ""), err=True)
-        if not yes and not click.confirm(f"Destroy session {holder['session']} of {who}?", err=True):
-            raise ConsulrunError("not confirmed; nothing changed")
+        if not yes:
+            confirm(f"Destroy session {holder['session']} of {who}?")
         if client.session_visible(holder["session"]) is None:
             click.echo(f"session {holder['session']} was already gone")
             continue
