@@ -107,6 +107,9 @@ def test_pause_all_of_a_manifest_is_one_write_and_status_shows_it(consul: Agent,
     # resume deleted the pause keys, filing each as an ended episode in the same transaction
     assert [key.split("/", 2)[2].split("/")[0] for key in left.json()] == ["ended-pauses", "ended-pauses"]
     assert [key.split("/")[1] for key in left.json()] == ["a", "b"]
+    # A pause and its ended episode are an operator's, not a run: jobs that never ran still say so.
+    code, out, err = finish(consulrun("status", str(manifest), "--json"))
+    assert [job["state"] for job in json.loads(out)["jobs"]] == ["never run", "never run"], out
 
 
 def test_pause_needs_jobs_or_all(consul: Agent) -> None:

@@ -28,7 +28,7 @@ from consulrun.manifest import calendar
 from consulrun.protocol import procinfo
 from consulrun.protocol.health import LAST_FIELDS
 from consulrun.protocol.occurrence import future_limit, future_text
-from consulrun.protocol.pause import in_force as pause_in_force, since as pause_skips, value_of as pause_value_of
+from consulrun.protocol.pause import EPISODES, in_force as pause_in_force, since as pause_skips, value_of as pause_value_of
 from consulrun.protocol.turns import TURN_MAX_S
 from consulrun.timefmt import parse_time, seconds_between
 
@@ -292,6 +292,11 @@ def _record_of(keys: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
     return max(runs, key=lambda r: str(r.get("started") or "")) if runs else None  # the newest of the slots
 
 
+def _operators_key(key: str) -> bool:
+    """A key an operator's command writes (a pause, its ended episodes, a trigger request): no sign of a run."""
+    return key in ("pause", "trigger") or key.startswith(EPISODES)
+
+
 def judge_job(name: str, keys: dict[str, dict[str, Any]], manifest: Manifest | None, judge: HolderJudge,
               now: datetime, grace_s: float) -> JobStatus:
     wanted = {job.name: job for job in manifest.jobs} if manifest else {}
@@ -311,7 +316,7 @@ def judge_job(name: str, keys: dict[str, dict[str, Any]], manifest: Manifest | N
     if record:
         status.last = {k: record.get(k) for k in LAST_FIELDS}
         status.last["duration_s"] = seconds_between(record.get("started"), record.get("ended"))
-    if keys and status.state == "never run":
+    if status.state == "never run" and any(not _operators_key(key) for key in keys):
         status.state = "held" if status.holders else "free"
     expect = Expectations.of(job, record, grace_s) if status.state != "orphaned" else None
     if expect is not None:
