@@ -321,6 +321,23 @@ def test_a_dry_run_into_an_image_shows_systemctl_with_its_root(manifest: Path, t
     assert not (image / "etc").exists()
 
 
+def test_a_consulrun_missing_from_the_image_is_named_inside_it(manifest: Path, tmp_path: Path) -> None:
+    """With --root the units run the image's consulrun; the error said "or pass --consulrun-path" even when it
+    was passed, and did not say the path is looked up inside the root."""
+    image = tmp_path / "image"
+    image.mkdir()
+    code, out, err = invoke("install", str(manifest), "--root", str(image), "--dry-run", "--consulrun-path",
+                            "/usr/bin/consulrun")
+    assert (code, out) == (2, "")
+    assert err == (f"Error: {image}/usr/bin/consulrun: no executable consulrun at /usr/bin/consulrun inside {image}, "
+                   "where the units run it: install consulrun into that root\n")
+    code, out, err = invoke("install", str(manifest), "--root", str(image), "--dry-run")  # the one running now
+    assert code == 2 and err.endswith(", or pass --consulrun-path with its path inside the root\n"), err
+    code, out, err = invoke("install", str(manifest), "--dry-run", "--consulrun-path", "/nonexistent/consulrun")
+    assert err == ("Error: /nonexistent/consulrun: the consulrun the units would call does not exist or is not "
+                   "executable (install consulrun there)\n"), err
+
+
 def test_a_dry_run_uninstall_of_a_name_with_no_units_says_so(tmp_path: Path) -> None:
     """A typo in `uninstall --name` must not read as success: 'up to date' is what install says."""
     code, out, err = invoke("uninstall", "--name", "mine", "--root", str(tmp_path), "--dry-run")

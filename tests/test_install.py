@@ -217,7 +217,8 @@ def test_root_installs_into_an_image_offline(node: Container) -> None:
     missing = install(node, manifest({"imaged": tick_job("daily")}), "--root", image, "--consulrun-path",
                       "/usr/bin/no-consulrun")
     assert missing.returncode == 2
-    assert f"{image}/usr/bin/no-consulrun: the consulrun the units would call does not exist" in missing.stderr
+    assert (f"{image}/usr/bin/no-consulrun: no executable consulrun at /usr/bin/no-consulrun inside {image}, where "
+            "the units run it: install consulrun into that root\n") in missing.stderr
 
 
 def test_load_credential_root_only_token_with_another_user(node: Container) -> None:

@@ -89,6 +89,12 @@ def install(manifest: Path, root: Path | None, unit_dir: Path, dry_run: bool, no
 PACKAGED_CONSULRUN = "/usr/bin/consulrun"  # where the .deb puts the command
 
 
+def _consulrun_path_given() -> bool:
+    """Whether the operator named --consulrun-path (else it is the consulrun running now, or the package's)."""
+    source = click.get_current_context().get_parameter_source("consulrun_path")
+    return source is not click.core.ParameterSource.DEFAULT
+
+
 def _package_options(package: Path, remote: bool, dry_run: bool, root: Path | None,
                      consulrun_path: str) -> tuple[bytes, str]:
     """The package's bytes and the consulrun path the units call; the options --with-package cannot go with."""
@@ -100,8 +106,7 @@ def _package_options(package: Path, remote: bool, dry_run: bool, root: Path | No
         raise UsageError("--with-package installs a package, which --dry-run must not: dry-run without it")
     if root is not None:
         raise UsageError("--with-package installs into each node's own root, not into --root")
-    source = click.get_current_context().get_parameter_source("consulrun_path")
-    if source is click.core.ParameterSource.DEFAULT:
+    if not _consulrun_path_given():
         consulrun_path = PACKAGED_CONSULRUN
     return read_package(package), consulrun_path
 
@@ -126,7 +131,8 @@ def _print_report(loaded: "Manifest", *, root: Path | None, unit_dir: Path, dry_
     from consulrun.units.install import install_local
 
     report = install_local(loaded, root=root, unit_dir=unit_dir, dry_run=dry_run, start=not no_start,
-                           templates=templates, consulrun_path=consulrun_path)
+                           templates=templates, consulrun_path=consulrun_path,
+                           consulrun_path_given=_consulrun_path_given())
     for line in report.warnings:
         click.echo(f"warning: {line}", err=True)
     click.echo("".join(report.diff), nl=False)

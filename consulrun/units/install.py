@@ -179,11 +179,12 @@ class Report:
 
 
 def install_local(manifest: Manifest, *, root: Path | None, unit_dir: Path, dry_run: bool, start: bool,
-                  templates: Path | None, consulrun_path: str) -> Report:
-    """Render, check, plan and (unless `dry_run`) apply; `root` means an offline install into an image."""
+                  templates: Path | None, consulrun_path: str, consulrun_path_given: bool = False) -> Report:
+    """Render, check, plan and (unless `dry_run`) apply; `root` means an offline install into an image.
+    `consulrun_path_given`: the operator named the path (so an error need not suggest naming one)."""
     units = render(manifest, consulrun_path, templates)
     target = (root / str(unit_dir).lstrip("/")) if root else unit_dir
-    check_consulrun(root / consulrun_path.lstrip("/") if root else Path(consulrun_path), check_version=root is None)
+    check_consulrun(consulrun_path, root, given=consulrun_path_given)
     the_plan = plan(units, target, owner(manifest))
     report = Report()
     if root is None and (dry_run or not the_plan.empty):  # a dry run is the time to hear it, too
@@ -225,11 +226,19 @@ def uninstall_local(name: str, *, root: Path | None, unit_dir: Path, dry_run: bo
                       done=f"nothing to remove: no unit of manifest {name!r} in {target}", verb="uninstalled")
 
 
-def check_consulrun(path: Path, check_version: bool) -> None:
-    """The units call this consulrun: it must exist and speak the same major.minor version as the installer."""
+def check_consulrun(consulrun_path: str, root: Path | None, given: bool) -> None:
+    """The units call this consulrun: it must exist and speak the same major.minor version as the installer.
+    Under `root` (an image) it must exist inside the image, where the units will run it; its version is not asked
+    (the image's Python may not run here)."""
+    path = root / consulrun_path.lstrip("/") if root else Path(consulrun_path)
+    check_version = root is None
     if not (path.is_file() and os.access(path, os.X_OK)):
+        if root:
+            raise UsageError(f"{path}: no executable consulrun at {consulrun_path} inside {root}, where the units "
+                             "run it: install consulrun into that root"
+                             + ("" if given else ", or pass --consulrun-path with its path inside the root"))
         raise UsageError(f"{path}: the consulrun the units would call does not exist or is not executable "
-                         "(install consulrun there, or pass --consulrun-path)")
+                         "(install consulrun there" + (")" if given else ", or pass --consulrun-path)"))
     if check_version:
         try:
             answer = subprocess.run([str(path), "--version"], capture_output=True, text=True, timeout=60).stdout
