@@ -173,6 +173,9 @@ NOW = iso(datetime.now(timezone.utc))
     ("occurrence", "[1, 2]", "not an object"),
     ("occurrence", {"occurrence": "0001-01-01T00:00:00+01:00", "state": "done"}, "'occurrence'"),
     ("occurrence", {"state": "running"}, "'occurrence' is missing"),
+    # It once reached the zone comparison, which blamed this node's zone (exit 2) for a value nobody wrote.
+    ("occurrence", {"occurrence": "2026-01-01T00:00:00Z", "state": "done", "zone_offsets": "\u0663,0,0"},
+     "'zone_offsets'"),
     ("occurrence", "{not json", "not JSON"),
     ("lock", DEEP, "nests deeper"),
     ("history/2026-01-01T00:00:00Z", {"occurrence": "2026-01-01T00:00:00Z", "started": 5, "state": "done"},

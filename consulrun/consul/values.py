@@ -119,6 +119,8 @@ def _fields(record: dict[str, Any], where: str = "") -> str | None:
         if name == "occurrence" and parse_time(value).strftime("%Y-%m-%dT%H:%M:%SZ") != value:
             return f"field {field!r} is not an occurrence as consulrun names one (e.g. 2026-11-29T02:00:00Z): " \
                    f"{_shown(value)}"
+        if name == "zone_offsets" and not _is_offsets(value):
+            return f"field {field!r} is not three UTC offsets in seconds (e.g. 3600,7200,3600): {_shown(value)}"
         if name in _NUMBERS and type(value) is not int:
             return f"field {field!r} is {_kind(value)}, not a whole number"
         if name in _FLAGS and not isinstance(value, bool):
@@ -134,6 +136,12 @@ def _fields(record: dict[str, Any], where: str = "") -> str | None:
                 if why:
                     return why
     return None
+
+
+def _is_offsets(value: str) -> bool:
+    """As `calendar.zone_offsets` writes them: three whole seconds, each within a day (zones stay within ±26 h)."""
+    parts = value.split(",")
+    return len(parts) == 3 and all(p.lstrip("-").isdigit() and p.isascii() and abs(int(p)) < 86400 for p in parts)
 
 
 def _is_time(value: Any) -> bool:
