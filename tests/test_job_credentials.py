@@ -31,10 +31,14 @@ def _generate(tmp_path: Path, job: str) -> tuple[int, str]:
      "CONSUL_HTTP_TOKEN is refused: unit files are world-readable"),
     ("    environment: {CONSUL_HTTP_TOKEN_FILE: /etc/t}\n", "M:5:19: jobs.a.environment.CONSUL_HTTP_TOKEN_FILE:",
      "CONSUL_HTTP_TOKEN_FILE is refused"),
+    ("    environment: {CONSUL_HTTP_AUTH: 'ops:pw'}\n", "M:5:19: jobs.a.environment.CONSUL_HTTP_AUTH:",
+     "CONSUL_HTTP_AUTH is refused: unit files are world-readable, and a credential never goes in one"),
     ("    service: {SetCredential: 'other:s3cr3t'}\n", "M:5:15: jobs.a.service.SetCredential:",
      "SetCredential= is refused: it writes the credential's value into the unit file, which every user can read"),
     ("    service: {PassEnvironment: 'LANG CONSUL_HTTP_TOKEN'}\n", "M:5:32: jobs.a.service.PassEnvironment:",
-     "would hand the service manager's Consul token to the job"),
+     "would hand the service manager's Consul credentials to the job"),
+    ("    service: {PassEnvironment: 'CONSUL_HTTP_AUTH'}\n", "M:5:32: jobs.a.service.PassEnvironment:",
+     "would hand the service manager's Consul credentials to the job"),
 ])
 def test_a_secret_in_a_unit_setting_is_refused(tmp_path: Path, setting: str, where: str, words: str) -> None:
     code, stderr = _generate(tmp_path, setting)
@@ -68,7 +72,9 @@ def test_the_job_gets_no_consul_token_unless_it_asks(acl_agent: tuple[Agent, str
     secret = _acl(agent, management, "PUT", "acl/token", {"Policies": [{"Name": "consulrun"}]})["SecretID"]
     token_file = _token_file(tmp_path, "token", secret)
     seen = tmp_path / "env.json"
-    for env in ({"CONSUL_HTTP_TOKEN_FILE": str(token_file)}, {"CONSUL_HTTP_TOKEN": secret}):
+    # HTTP basic auth's user:password (a proxy in front of the agent may ask for it) is a credential too.
+    for env in ({"CONSUL_HTTP_TOKEN_FILE": str(token_file)}, {"CONSUL_HTTP_TOKEN": secret},
+                {"CONSUL_HTTP_TOKEN": secret, "CONSUL_HTTP_AUTH": "ops:pw"}):
         env = {"CONSUL_HTTP_ADDR": agent.http_addr, **env}
         code, _, err = finish(consulrun("run", "tokjob", "--", sys.executable, "-c", _DUMP, str(seen), env=env))
         assert code == 0, err

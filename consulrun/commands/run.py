@@ -47,8 +47,8 @@ class _RunCommand(click.Command):
               help="Also set the job's Consul health check (on the prefix's external node) from the result, "
                    "in the same transaction; if Consul refuses the check, the result is recorded without it.")
 @click.option("--pass-consul-token", is_flag=True,
-              help="Leave CONSUL_HTTP_TOKEN and CONSUL_HTTP_TOKEN_FILE in the job's environment (by default the job "
-                   "gets neither).")
+              help="Leave CONSUL_HTTP_TOKEN, CONSUL_HTTP_TOKEN_FILE and CONSUL_HTTP_AUTH in the job's environment "
+                   "(by default the job gets none of them).")
 @agent_options
 @click.argument("job")
 @click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
@@ -67,8 +67,9 @@ def run(job: str, command: tuple[str, ...], prefix: str, ttl: int, lock_delay: i
     The job gets CONSULRUN_JOB, CONSULRUN_SESSION, CONSULRUN_LOCK_KEY and
     CONSULRUN_FENCING_TOKEN (the lock key's ModifyIndex: larger for every later
     holder, so the job can refuse a stale holder's write) in its environment,
-    and not the wrapper's CONSUL_HTTP_TOKEN or CONSUL_HTTP_TOKEN_FILE (unless
-    --pass-consul-token). Its own exit status is passed through. If the lock cannot be confirmed,
+    and not the wrapper's Consul credentials, CONSUL_HTTP_TOKEN, CONSUL_HTTP_TOKEN_FILE
+    and CONSUL_HTTP_AUTH (unless --pass-consul-token). Its own exit status is
+    passed through. If the lock cannot be confirmed,
     every process of the job (also those that left its process group) is
     killed and the status is 75; the lock is never released while one lives.
     """

@@ -24,7 +24,7 @@ import jsonschema
 import yaml
 
 from consulrun.consul.address import AddressError, parse_address
-from consulrun.consul.settings import ConsulSettings
+from consulrun.consul.settings import CREDENTIAL_VARIABLES, ConsulSettings
 from consulrun.errors import ManifestError, os_reason
 from consulrun.manifest import shellsyntax, unitescape, unitsettings
 from consulrun.manifest.durations import (
@@ -240,7 +240,6 @@ def _split_command(problems: _Problems, path: tuple[Any, ...], command: str | li
 
 
 SHELL = "/bin/sh"
-CONSUL_CREDENTIALS = frozenset({"CONSUL_HTTP_TOKEN", "CONSUL_HTTP_TOKEN_FILE"})
 
 
 def _check_shell(problems: _Problems, job: dict[str, Any], jpath: tuple[Any, ...]) -> None:
@@ -276,9 +275,9 @@ def _check_representable(problems: _Problems, job: dict[str, Any], jpath: tuple[
     if isinstance(job.get("environment"), dict):
         checks += [(jpath + ("environment", k), f"{k}={v}", unitescape.Context.ENV_ASSIGNMENT)
                    for k, v in job["environment"].items() if isinstance(v, (str, int))]
-        for name in CONSUL_CREDENTIALS & set(job["environment"]):
+        for name in sorted(CREDENTIAL_VARIABLES & set(job["environment"])):
             problems.add(jpath + ("environment", name), f"{name} is refused: unit files are world-readable, and a "
-                         "token never goes in one; set consul.token_file (a root-only file, passed with "
+                         "credential never goes in one; set consul.token_file (a root-only file, passed with "
                          "LoadCredential=) and, if the job itself needs the token, pass_consul_token: true", key=True)
     for path, value, context in checks:
         try:

@@ -16,6 +16,7 @@ import re
 from importlib import resources
 from typing import Any
 
+from consulrun.consul.settings import CREDENTIAL_VARIABLES
 from consulrun.manifest import unitescape
 
 _KNOWN: dict[str, Any] = json.loads(resources.files("consulrun.manifest").joinpath("systemd_settings.json").read_text())
@@ -87,7 +88,6 @@ KILL_SEQUENCE_MODES: dict[str, dict[str, str]] = {
 # Credentials are a list setting a job may well extend; only the id the templates use is consulrun's.
 _CREDENTIAL_SETTINGS = {"LoadCredential", "LoadCredentialEncrypted", "SetCredential", "SetCredentialEncrypted"}
 CONSUL_TOKEN_CREDENTIAL = "consul-token"
-_CONSUL_CREDENTIALS = frozenset({"CONSUL_HTTP_TOKEN", "CONSUL_HTTP_TOKEN_FILE"})
 # Settings that would write a secret into the unit file, which every user can read (README, Security).
 SECRET_IN_UNIT = {
     "SetCredential": "it writes the credential's value into the unit file, which every user can read; put the secret "
@@ -144,8 +144,8 @@ def value_problem(name: str, value: str) -> str | None:
         allowed = " or ".join(m for m in ("terminate", "kill") if m not in KILL_SEQUENCE_MODES[name])
         why = KILL_SEQUENCE_MODES[name][value.strip().lower()]
         return f"{name}={value.strip()} is refused ({allowed} are accepted): {why}"
-    if name == "PassEnvironment" and _CONSUL_CREDENTIALS & set(value.split()):
-        return ("would hand the service manager's Consul token to the job; consulrun passes the node's token with "
+    if name == "PassEnvironment" and CREDENTIAL_VARIABLES & set(value.split()):
+        return ("would hand the service manager's Consul credentials to the job; consulrun passes the node's token with "
                 "consul.token_file, and to the job only with pass_consul_token: true")
     if "%" in value and name not in PERCENT_SETTINGS:
         return (f"has a '%', which {name}= may or may not read as a specifier; consulrun writes '%' only in settings "
