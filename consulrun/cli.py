@@ -21,6 +21,7 @@ from consulrun.commands import (
     history,
     import_crontab,
     install,
+    logs,
     on_failure,
     pause,
     reap,
@@ -45,7 +46,7 @@ Exit statuses:
   3   `status`: a due occurrence was missed (claimed by no node in time)
   4   `status`: a run has lasted longer than its job's timeout
   5   `status`: a lock is held by a vanished or critical session, or a dead process
-  6   `status`, `unlock`, `history`: no state in Consul for the prefix or job asked about
+  6   `status`, `unlock`, `history`, `logs`: no state in Consul for the prefix or job asked about
       `pause`, `resume`, `trigger`: no such job (in the manifest, else in Consul); `forget`: in Consul
   65  a value in Consul is not one consulrun writes (malformed, or a record in the
       future): the line names its key; `run` starts nothing
@@ -94,7 +95,7 @@ def main() -> None:
 
 
 for _command in (generate.generate, run.run, reap.reap, install.install, status.status, unlock.unlock,
-                 import_crontab.import_crontab, watchdog.watchdog, acl_policy.acl_policy, history.history,
+                 import_crontab.import_crontab, watchdog.watchdog, acl_policy.acl_policy, history.history, logs.logs,
                  pause.pause, resume.resume, trigger.trigger, on_failure.on_failure, exporter.exporter,
                  validate.validate, uninstall.uninstall, forget.forget):
     main.add_command(_command)

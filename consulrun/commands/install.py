@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from consulrun.commands.options import Folder, consulrun_path_option, manifest_name_option
+from consulrun.commands.options import Folder, consulrun_path_option, manifest_name_option, ssh_option
 from consulrun.errors import ConsulrunError, UsageError
 
 if TYPE_CHECKING:
@@ -33,7 +33,7 @@ from consulrun.commands.common import read_manifest
               help="Install on NODE ([USER@]HOST) over ssh (repeatable; a node given twice is installed once).")
 @click.option("--hosts-file", type=click.Path(dir_okay=False, path_type=Path),
               help="File with one NODE per line (# comments allowed).")
-@click.option("--ssh-option", "ssh_options", multiple=True, metavar="OPT", help="Passed to ssh as -o OPT (repeatable).")
+@ssh_option
 @click.option("--parallel", type=click.IntRange(1, 256), default=10, show_default=True, help="Nodes at a time.")
 @click.option("--with-package", "package", type=click.Path(dir_okay=False, path_type=Path), metavar="PATH.deb",
               help="With --host: first put this .deb (scripts/package builds it) on each node over ssh and dpkg -i "

@@ -103,6 +103,10 @@ templates_option = click.option(
     help="Folder with service.j2, timer.j2 and/or onfailure.j2 overriding the shipped templates.")
 
 
+ssh_option = click.option("--ssh-option", "ssh_options", multiple=True, metavar="OPT",
+                          help="Passed to ssh as -o OPT (repeatable).")
+
+
 def consulrun_path_option(help_text: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """`--consulrun-path`: where the units' ExecStart= finds consulrun (default: the consulrun running now)."""
     from consulrun.commands.common import default_consulrun_path

@@ -121,6 +121,8 @@ def _fields(record: dict[str, Any], where: str = "") -> str | None:
                    f"{_shown(value)}"
         if name == "zone_offsets" and not _is_offsets(value):
             return f"field {field!r} is not three UTC offsets in seconds (e.g. 3600,7200,3600): {_shown(value)}"
+        if name == "invocation_id" and not is_invocation_id(value):
+            return f"field {field!r} is not a systemd invocation id (32 hex digits): {_shown(value)}"
         if name in _NUMBERS and type(value) is not int:
             return f"field {field!r} is {_kind(value)}, not a whole number"
         if name in _FLAGS and not isinstance(value, bool):
@@ -136,6 +138,11 @@ def _fields(record: dict[str, Any], where: str = "") -> str | None:
                 if why:
                     return why
     return None
+
+
+def is_invocation_id(value: str) -> bool:
+    """As systemd gives INVOCATION_ID: 32 lowercase hex digits (journalctl matches lines by it)."""
+    return len(value) == 32 and all(c in "0123456789abcdef" for c in value)
 
 
 def _is_offsets(value: str) -> bool:

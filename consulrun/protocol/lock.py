@@ -26,7 +26,7 @@ from datetime import datetime, timezone
 
 from consulrun import __version__
 from consulrun.consul.client import Client, SessionInvalid, decoded, kv_op
-from consulrun.consul.values import printable
+from consulrun.consul.values import is_invocation_id, printable
 from consulrun.errors import ConsulrunError, ConsulUnavailable, UsageError
 from consulrun.protocol import testhook
 from consulrun.protocol.fencing import Fencing
@@ -115,6 +115,13 @@ def _systemd_unit() -> str | None:
     return None
 
 
+def _invocation_id() -> str | None:
+    """The id systemd gave this run of the unit (journald tags the run's lines with it; `consulrun logs` finds
+    them by it); None outside systemd, or if INVOCATION_ID is not one (32 hex digits), which every reader refuses."""
+    given = os.environ.get("INVOCATION_ID", "")
+    return given if is_invocation_id(given) else None
+
+
 def describe_holder(entry: dict[str, Any]) -> str:
     """The holder for a log line; its fields come from a value anyone with KV write may have written."""
     value = decoded(entry)
@@ -174,7 +181,7 @@ class Locker:
         value = {"job": self.spec.job, "node": self.node, "host": socket.gethostname(), "pid": os.getpid(),
                  "pid_start": process_start(os.getpid()), "boot_id": boot_id(), "pid_ns": pid_namespace(),
                  "time_ns": time_namespace(),
-                 "unit": _systemd_unit(), "invocation_id": os.environ.get("INVOCATION_ID"), "started": now_iso(),
+                 "unit": _systemd_unit(), "invocation_id": _invocation_id(), "started": now_iso(),
                  "session": self.session, "consulrun_version": __version__}
         return {k: v for k, v in value.items() if v is not None}
 

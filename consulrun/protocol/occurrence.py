@@ -48,6 +48,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("consulrun")
 
 FAILED_STATES = ("lost", "abandoned")
+WHERE_IT_RAN = ("host", "unit", "invocation_id")  # of the holder's value, kept in the occurrence record
 # How far ahead of this node another node's clock may be: a record later than the next occurrence plus this
 # cannot have been claimed by a node whose clock agrees with ours (see Ledger.verdict).
 ALLOWED_SKEW_S = 300.0
@@ -189,7 +190,9 @@ class Ledger:
         claim = {"occurrence": occ.id, "state": "running", "node": holder.get("node"), "session": holder.get("session"),
                  "started": holder.get("started"), "takeover": takeover, "attempt": len(earlier) + 1,
                  "schedule": list(occ.specs), "zone": calendar.local_zone_name(),
-                 "zone_offsets": calendar.zone_offsets(occ.when), "earlier": earlier}
+                 "zone_offsets": calendar.zone_offsets(occ.when), "earlier": earlier,
+                 # Where its output is: `consulrun logs` reads that host's journal by the invocation id.
+                 **{k: holder[k] for k in WHERE_IT_RAN if holder.get(k)}}
         ops = [kv_op("cas", self.record_key, claim, Index=snap.record_index),
                pause.unchanged_op(self.base, snap.pause_index)]
         if record.get("state") == "running" and record.get("occurrence", "") < occ.id:

@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from typing import Any
 
 FIELDS = ("occurrence", "attempt", "node", "started", "ended", "duration_s", "exit_status", "state", "takeover",
-          "manual", "reason", "session", "paused")
+          "manual", "reason", "session", "paused", "host", "unit", "invocation_id")
 
 
 def _row(record: dict[str, Any], **overrides: Any) -> dict[str, Any]:

@@ -1,0 +1,86 @@
+"""Where a run's output is: the run's row in the history (node, host, systemd invocation id) and the journal
+command that prints it, on this host or over ssh.
+
+The output is not copied into Consul: every KV reader (every node's token)
+could read it there, and the journal already keeps it under the retention
+the operator chose. A run the timer started carries the invocation id
+systemd gave it (`INVOCATION_ID`), which journald attaches to every line the
+run wrote; `journalctl _SYSTEMD_INVOCATION_ID=...` prints exactly that run.
+"""
+
+from __future__ import annotations
+
+from consulrun.consul.values import printable
+from consulrun.report.status import NoState
+
+TYPE_CHECKING = False  # typing's own flag without importing typing on every run
+if TYPE_CHECKING:
+    from typing import Any
+
+
+def choose(rows: list[dict[str, Any]], job: str, occurrence: str | None, attempt: int | None) -> dict[str, Any]:
+    """The run asked for among `rows` (newest first): OCCURRENCE's last attempt, or attempt N of it; without
+    OCCURRENCE, the newest run (attempt N of the newest occurrence). NoState (exit 6) if there is none."""
+    ran = [row for row in rows if row["state"] != "skipped"]
+    if occurrence is not None:
+        ran = [row for row in ran if row["occurrence"] == occurrence]
+        if not ran:
+            known = ", ".join(dict.fromkeys(str(r["occurrence"]) for r in rows if r["occurrence"]))
+            raise NoState(f"{job}: no run of occurrence {printable(occurrence)} in the history"
+                          + (f" (it has {known})" if known else ""))
+    elif ran:
+        newest = ran[0]["occurrence"]
+        ran = [row for row in ran if row["occurrence"] == newest] if newest else ran[:1]
+    if not ran:
+        raise NoState(f"{job}: no run in the history")
+    if attempt is None:
+        return max(ran, key=lambda row: row["attempt"] or 0)
+    for row in ran:
+        if row["attempt"] == attempt:
+            return row
+    have = ", ".join(str(row["attempt"]) for row in sorted(ran, key=lambda row: row["attempt"] or 0))
+    raise NoState(f"{job}: occurrence {printable(ran[0]['occurrence'])} has no attempt {attempt} (it has {have})")
+
+
+def described(row: dict[str, Any]) -> str:
+    """'occurrence 2026-12-01T02:00:00Z attempt 2' or 'manual run started 2026-...' for messages."""
+    if row["occurrence"]:
+        return f"occurrence {printable(row['occurrence'])} attempt {row['attempt'] or 1}"
+    return f"manual run started {printable(row['started'])}"
+
+
+def journal_argv(job: str, row: dict[str, Any], output: str = "short-iso") -> list[str]:
+    """`journalctl` printing the run's lines (consulrun's own and the job's) in journalctl's `output` mode;
+    NoState if the run was not one systemd started (its output went to whoever started it)."""
+    invocation = row.get("invocation_id")
+    if not invocation:
+        raise NoState(f"{job}: the {described(row)} on {printable(row.get('node') or '?')} was not started by "
+                      "systemd (no invocation id was recorded): its output went to whoever ran it")
+    return ["journalctl", "--no-pager", "--quiet", f"--output={output}", f"_SYSTEMD_INVOCATION_ID={invocation}"]
+
+
+def stream(argv: list[str], where: str, job: str, row: dict[str, Any]) -> None:
+    """Run `argv` (journalctl, or ssh running it), its output straight to ours (journalctl shows a line with
+    control characters as `[N blob data]` unless asked otherwise); NoState if it printed nothing, an error if it
+    failed (its own message is on stderr already)."""
+    import subprocess
+    import sys
+
+    from consulrun.errors import ConsulrunError, os_reason
+
+    wrote = 0
+    try:
+        with subprocess.Popen(argv, stdout=subprocess.PIPE) as proc:
+            assert proc.stdout is not None
+            for chunk in iter(lambda: proc.stdout.read1(65536), b""):  # type: ignore[union-attr]
+                sys.stdout.buffer.write(chunk)
+                sys.stdout.buffer.flush()
+                wrote += len(chunk)
+    except OSError as exc:
+        raise ConsulrunError(f"{argv[0]}: {os_reason(exc)}") from None
+    if proc.returncode:
+        raise ConsulrunError(f"{' '.join(argv[:1])} reading the journal {where} exited with status {proc.returncode}")
+    if not wrote:
+        raise NoState(f"{job}: the journal {where} has no line of the {described(row)} (invocation "
+                      f"{row['invocation_id']}): journald has rotated it out, or keeps no journal across boots "
+                      "(Storage=volatile)")
