@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import base64
 import http.server
+import json
 import socket
 import threading
 from collections.abc import Iterator
@@ -43,18 +45,26 @@ def monitor() -> Iterator[tuple[str, list[str]]]:
         server.server_close()
 
 
+def last_session(consul: Agent, job: str) -> str:
+    """The session of the job's last run, as its lock's value records it: the run id its pings carry."""
+    return json.loads(base64.b64decode(consul.get(f"kv/consulrun/{job}/lock")[0]["Value"]))["last"]["session"]
+
+
 def test_runner_pings_start_then_success(consul: Agent, monitor: tuple[str, list[str]]) -> None:
     url, paths = monitor
     code, _, err = finish(consulrun("run", "--ping-url", url, "pinged", "--", "true"))
     assert code == 0, err
-    assert paths == ["/ping/c0ffee/start", "/ping/c0ffee"]
+    # Healthchecks.io pairs a start with its end by the run id: both carry the run's session id.
+    rid = last_session(consul, "pinged")
+    assert paths == [f"/ping/c0ffee/start?rid={rid}", f"/ping/c0ffee?rid={rid}"]
 
 
 def test_failing_job_pings_its_exit_status(consul: Agent, monitor: tuple[str, list[str]]) -> None:
     url, paths = monitor
     code, _, err = finish(consulrun("run", "--ping-url", url + "/", "failing", "--", "sh", "-c", "exit 3"))
     assert code == 3, err
-    assert paths == ["/ping/c0ffee/start", "/ping/c0ffee/3"]
+    rid = last_session(consul, "failing")
+    assert paths == [f"/ping/c0ffee/start?rid={rid}", f"/ping/c0ffee/3?rid={rid}"]
 
 
 def test_lost_run_pings_fail(consul: Agent, monitor: tuple[str, list[str]], tmp_path: Path) -> None:
@@ -66,7 +76,7 @@ def test_lost_run_pings_fail(consul: Agent, monitor: tuple[str, list[str]], tmp_
     consul.api("PUT", f"session/destroy/{session}")
     code, _, err = finish(holder, timeout=30)
     assert code == 75, err
-    assert paths == ["/ping/c0ffee/start", "/ping/c0ffee/fail"]
+    assert paths == [f"/ping/c0ffee/start?rid={session}", f"/ping/c0ffee/fail?rid={session}"]
 
 
 def test_skipping_node_pings_nothing(consul: Agent, monitor: tuple[str, list[str]], tmp_path: Path) -> None:

@@ -51,9 +51,12 @@ def result_suffix(outcome: dict[str, Any]) -> str:
 class Pings:
     """The pings of one run: `start()` when the job has started, `finish(outcome)` when it is over."""
 
-    def __init__(self, url: str | None, job: str, timeout_s: float = PING_TIMEOUT_S) -> None:
+    def __init__(self, url: str | None, job: str, timeout_s: float = PING_TIMEOUT_S, rid: str | None = None) -> None:
         self.url = url.rstrip("/") if url else None
         self.job = job
+        # Healthchecks.io's run id (a UUID) pairs a run's start and end pings, so two runs overlapping in the
+        # monitor's view (a takeover on another node) are timed apart; the run's Consul session id is one.
+        self.query = f"?rid={rid}" if rid else ""
         self.timeout_s = timeout_s
         self._queue: queue.Queue[str | None] = queue.Queue()
         self._thread: threading.Thread | None = None
@@ -89,7 +92,7 @@ class Pings:
         if self._thread is None:
             self._thread = threading.Thread(target=self._worker, name="consulrun-ping", daemon=True)
             self._thread.start()
-        self._queue.put(self.url + suffix)
+        self._queue.put(self.url + suffix + self.query)
 
     def _worker(self) -> None:
         while True:
@@ -109,7 +112,7 @@ class Pings:
 
 def _redacted(url: str) -> str:
     """A ping URL for the log: the host and the suffix, not the check's secret path."""
-    scheme, _, rest = url.partition("://")
+    scheme, _, rest = url.split("?", 1)[0].partition("://")  # the run id is no secret, but says nothing here
     host, _, path = rest.partition("/")
     last = path.rsplit("/", 1)[-1] if "/" in path else ""
     shown = last if last in ("start", "fail") or last.isdigit() else ""

@@ -299,7 +299,7 @@ def _run_held(request: RunRequest, locker: Locker, held: Held, fencing: Fencing,
     status: int = ExitCode.SOFTWARE
     from consulrun.protocol.notify import Pings
 
-    pings = Pings(request.ping_url, spec.job)
+    pings = Pings(request.ping_url, spec.job, rid=held.session)
     try:
         testhook.pause("acquired", lambda: bool(signals.received))
         if signals.received:
