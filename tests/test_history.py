@@ -121,6 +121,10 @@ def test_a_plain_run_whose_wrapper_was_killed_then_reaped_is_recorded_abandoned(
 def test_a_plain_runs_holder_value_that_no_session_holds_is_an_abandoned_run(consul: Agent) -> None:
     """Nobody recorded the end (the session's TTL ran out, no reap): history still lists the run, abandoned."""
     sid = hold(consul, "expired")
+    # While its session holds the lock, the run is under way (history listed nothing, even for a dead wrapper's
+    # run that `status` reports): one row, running.
+    code, out, _ = cli("history", "expired", "--json")
+    assert [(r["state"], r["node"], r["manual"]) for r in json.loads(out)["runs"]] == [("running", "dev1", True)], out
     consul.api("PUT", f"session/destroy/{sid}")  # what the TTL does
     code, out, _ = cli("history", "expired", "--json")
     runs = json.loads(out)["runs"]

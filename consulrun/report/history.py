@@ -111,10 +111,11 @@ def rows_of(keys: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
         last = value.get("last")
         if isinstance(last, dict) and last.get("session") not in sessions:
             rows.append(_row(last, manual=True))  # a run without --schedule: no occurrence record
-        elif not entry.get("Session") and value.get("session") and value.get("started") and \
-                value.get("session") not in sessions:
-            # A holder's value that no session holds: its runner died and nobody recorded its end (status agrees).
-            rows.append(_row(value, manual=True, state="abandoned", reason=ABANDONED_UNRECORDED))
+        elif value.get("session") and value.get("started") and value.get("session") not in sessions:
+            if entry.get("Session"):  # a run without --schedule under way (`status` judges whether it lives)
+                rows.append(_row(value, manual=True, state="running"))
+            else:  # a holder's value that no session holds: its runner died, nobody recorded its end (status agrees)
+                rows.append(_row(value, manual=True, state="abandoned", reason=ABANDONED_UNRECORDED))
     return newest_first(rows)
 
 
