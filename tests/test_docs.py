@@ -125,3 +125,16 @@ def test_readme_sections_come_in_the_order_a_user_works() -> None:
     headings = re.findall(r"^## (.+)$", README, flags=re.M)
     order = ["What it is", "Install", "Quickstart", "On a cluster", "Documentation"]
     assert [h for h in headings if h in order] == order, headings
+
+
+def test_manifests_shown_in_the_reference_are_valid(tmp_path: Path) -> None:
+    """The complete manifest and the examples of docs/manifest.md load as written (validate: writes nothing)."""
+    shown = re.findall(r"```yaml\n(.*?)```", (DOCS / "manifest.md").read_text(), flags=re.S)
+    manifests = [text for text in shown if "jobs:" in text]
+    assert len(manifests) >= 2
+    for number, text in enumerate(manifests):
+        path = tmp_path / f"shown{number}.yaml"
+        path.write_text(text)
+        result = subprocess.run([sys.executable, "-m", "consulrun", "validate", str(path)], capture_output=True,
+                                text=True, timeout=60)
+        assert result.returncode == 0, (text, result.stderr)
