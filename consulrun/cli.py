@@ -1,7 +1,7 @@
 """The command group: `consulrun --help`, its exit statuses, and the list of commands.
 
 Each command is a module of `consulrun.commands`. Exit statuses are listed in
-`consulrun --help` and in the README; they come from `consulrun.errors.ExitCode`
+`consulrun --help` and in docs/guarantees.md; they come from `consulrun.errors.ExitCode`
 and nowhere else.
 """
 

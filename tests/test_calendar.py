@@ -67,8 +67,8 @@ def _second_pass_of_an_ambiguous_hour(spec: str, tz: str, times: list[datetime])
     There systemd 252 iterates a repeating spec (`*-*~7/1 *:0/15`) through the
     second pass of the hour (02:00 CET) and skips the first (02:00 CEST), while
     for every other spec, and for `~` with a fixed time, it keeps the first
-    pass and skips the second; oncalendar keeps the first pass always. README
-    (*Platform floor*) names the difference.
+    pass and skips the second; oncalendar keeps the first pass always.
+    docs/guarantees.md (*Platform floor*) names the difference.
     """
     from zoneinfo import ZoneInfo
 

@@ -1,6 +1,6 @@
 """The chaos suite: its checker judges histories correctly, and a short run under faults keeps the guarantees.
 
-The short run uses the schedules where README's condition for `retry` holds
+The short run uses the schedules where docs/guarantees.md's condition for `retry` holds
 (bench.chaos.run.condition_holds); docs/chaos.md has a long run and a denser
 schedule. On failure the run's history, nemesis log, wrapper and agent logs
 and report are kept in test-artifacts/.

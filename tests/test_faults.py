@@ -486,7 +486,7 @@ def test_fencing_token_is_the_lock_keys_modify_index(consul: Agent, tmp_path: Pa
     assert code == 0, err
     index, token, holder, session, value = json.loads(seen.read_text())
     assert str(index) == token and holder == session
-    # Every field of the holder value, as README and the status/reap checks rely on them.
+    # Every field of the holder value, as docs/guarantees.md and the status/reap checks rely on them.
     from consulrun import __version__
     from consulrun.protocol.procinfo import boot_id, pid_namespace
 

@@ -375,7 +375,7 @@ def _yearly(job: str) -> str:
 def test_turns_are_one_order_per_occurrence_spread_evenly_and_a_leaver_moves_only_its_share() -> None:
     from consulrun.protocol.turns import RANK_STEP_S, TURN_MAX_S, order, turn_at_most_s, wait_s
 
-    # README: steps of 2 s, at most 3 of them, at most a tenth of the time left before the next occurrence
+    # docs/guarantees.md: steps of 2 s, at most 3 of them, at most a tenth of the time left before the next occurrence
     assert (RANK_STEP_S, TURN_MAX_S, turn_at_most_s(None), turn_at_most_s(30), turn_at_most_s(-1)) == (2, 6, 6, 3, 0)
     assert [wait_s(place, None) for place in range(5)] == [0, 2, 4, 6, 6] and wait_s(2, 25) == 2.5
 

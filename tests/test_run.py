@@ -123,7 +123,7 @@ def test_lock_value_and_child_environment(consul: Agent, tmp_path: Path) -> None
     assert value["state"] == "free"
     assert value["last"]["node"] == "dev1" and value["last"]["exit_status"] == 0
     assert value["last"]["session"] == env["CONSULRUN_SESSION"]
-    # Every field, and no other: what `status`, `reap` and operators read (README, the lock's value).
+    # Every field, and no other: what `status`, `reap` and operators read (docs/guarantees.md, the lock's value).
     assert set(value) == {"state", "last"}
     assert set(value["last"]) == {"boot_id", "consulrun_version", "ended", "exit_status", "host", "job", "node", "pid",
                                   "pid_ns", "pid_start", "session", "started", "time_ns"}, value

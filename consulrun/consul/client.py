@@ -5,7 +5,7 @@ meaning; every failure becomes one of consulrun's errors, so callers never see
 a socket, TLS or HTTP exception. The transport is `transport`, one kept-alive
 connection per thread: every timer tick on every node starts `consulrun run`,
 and importing `requests` and py-consul, or even `http.client`, cost more than
-the whole exchange with the agent (README, Dependencies). `ssl` is imported
+the whole exchange with the agent (docs/development.md, Dependencies). `ssl` is imported
 only when the address is https.
 
 Why this module is long: it is one method per Consul endpoint the tools use (KV, sessions,

@@ -1,7 +1,7 @@
 """Loading and validating a job manifest into typed, immutable settings.
 
 The JSON Schema shipped beside this module is the single statement of the
-manifest's shape (it is also what the README's reference table documents);
+manifest's shape (it is also what docs/manifest.md's table documents, checked by a test);
 this module adds what a schema cannot say: positions, duplicate keys, value
 ranges, calendar syntax and whether a value can be written to a unit file.
 

@@ -88,7 +88,7 @@ KILL_SEQUENCE_MODES: dict[str, dict[str, str]] = {
 # Credentials are a list setting a job may well extend; only the id the templates use is consulrun's.
 _CREDENTIAL_SETTINGS = {"LoadCredential", "LoadCredentialEncrypted", "SetCredential", "SetCredentialEncrypted"}
 CONSUL_TOKEN_CREDENTIAL = "consul-token"
-# Settings that would write a secret into the unit file, which every user can read (README, Security).
+# Settings that would write a secret into the unit file, which every user can read (docs/manifest.md).
 SECRET_IN_UNIT = {
     "SetCredential": "it writes the credential's value into the unit file, which every user can read; put the secret "
                      "in a root-only file and use LoadCredential=ID:PATH (or SetCredentialEncrypted=)",

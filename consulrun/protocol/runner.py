@@ -194,7 +194,7 @@ def _job_environment(held: Held, spec: LockSpec, claim: dict[str, object] | None
                      pass_consul_token: bool = False) -> dict[str, str]:
     """The wrapper's environment, less its Consul credentials (`CREDENTIAL_VARIABLES`): with them any job would hold the node's KV and
     session write rights (a job that needs them says `pass_consul_token: true`). The credential file itself stays
-    in $CREDENTIALS_DIRECTORY, readable by the unit's user: README's Security section says so."""
+    in $CREDENTIALS_DIRECTORY, readable by the unit's user: docs/commands/run.md says so."""
     env = dict(os.environ)
     for name in ("CONSULRUN_TEST_PAUSE", "CONSULRUN_TEST_HOOK_DIR", "CONSULRUN_TEST_FAIL",
                  *(() if pass_consul_token else CREDENTIAL_VARIABLES)):

@@ -3,7 +3,7 @@
 `collect` reads everything under the prefix in one (optionally blocking)
 query, plus the session and node health of each holder, and returns plain
 data that the CLI prints as a table or as JSON (the JSON shape is documented
-in the README and kept stable).
+in docs/commands/status.md and kept stable).
 
 Never green when blind: every read here fails with PermissionDenied (exit 77)
 when Consul's ACLs hid part of the answer, and a prefix with no state at all
