@@ -361,7 +361,7 @@ def _step(locker: Locker, ledger: Ledger, occ: Occurrence, policy: str, deadline
     look["consistent"] = True  # the first look may be stale; every later one decides a takeover
     first, look["first"] = look["first"], False
     if snap.paused:
-        return None, None, f"the job is {snap.paused}"
+        return None, None, snap.paused  # `paused by ...`, as a run without --schedule says it
     if snap.holder_session and locker.reap_dead_holder({ledger.lock_key: snap.lock}):
         return None
     record = snap.record or {}
@@ -422,7 +422,7 @@ def _step(locker: Locker, ledger: Ledger, occ: Occurrence, policy: str, deadline
             return None, None, (f"occurrence {occ.id} is still running on {record.get('node')}; "
                                 "the next occurrence is due, so this node stops standing by")
         if look["raced"] and (again := ledger.snapshot(consistent=True)).paused:  # the claim met a new pause
-            return None, None, f"the job is {again.paused}"
+            return None, None, again.paused
         return None, None, f"could not claim occurrence {occ.id}"
     if holders:
         look["waiting"] = True
