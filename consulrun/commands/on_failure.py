@@ -41,8 +41,8 @@ def on_failure(job: str, command: tuple[str, ...], unit: str, skip_exit_code: in
         logging.getLogger("consulrun").info("%s: exit status %s is the skip code; not a failure", job, skip_exit_code)
         return
     if stopped_before_running(facts):
-        logging.getLogger("consulrun").info("%s: %s was stopped (%s) while waiting for the lock, before it ran the job; "
-                                            "this node did not run it, so nothing is reported", job, unit,
+        logging.getLogger("consulrun").info("%s: %s was stopped (%s) while waiting for the lock, before it ran the "
+                                            "job; this node did not run it, so nothing is reported", job, unit,
                                             facts["CONSULRUN_RESULT"] or "result unknown")
         return
     logging.getLogger("consulrun").info("%s: %s (%s, exit status %s, occurrence %s); running the on_failure command",

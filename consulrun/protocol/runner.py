@@ -31,9 +31,9 @@ from consulrun.consul.client import Client, ConsulConfig
 from consulrun.consul.values import printable
 from consulrun.errors import ConsulrunError, ConsulUnavailable, ExitCode, JobNotStarted, UsageError
 from consulrun.protocol import testhook
+from consulrun.protocol.fencing import FINISH_RETRY_S, START_RETRY_S, stop_timeout_ms
 from consulrun.protocol.lock import Fencing, Held, Interrupted, Locker, LockSpec, Watcher, clock, now_iso as _now
 from consulrun.protocol.stops import STOP_SIGNALS, JobTimeout
-from consulrun.protocol.fencing import FINISH_RETRY_S, START_RETRY_S, stop_timeout_ms
 from consulrun.records import record
 
 TYPE_CHECKING = False  # typing's own flag without importing typing on every run
