@@ -1,9 +1,12 @@
 """`consulrun run`: take the lock, run the job while the lock is confirmed, let go.
 
 Phases and what a termination signal does in each:
-  waiting for the lock   -> stop waiting at once, destroy the session, exit 128+N
+  waiting for the lock   -> stop waiting at once, destroy the session, exit 128+N (the skip code with
+                            --skip-when-stopped: this node ran nothing)
   acquired, not started  -> the job is not started; the claim is recorded lost, the lock released, exit 128+N
-  job running            -> forwarded to every process of the job; the job's own status is passed through
+  job running            -> forwarded to every process of the job; the job's own status is passed through;
+                            recorded done, unless systemd says the stop was not aimed at the job (a
+                            shutdown, the unit's backstop timeout): then lost (stops.py)
   lock lost              -> every process of the job is killed (SIGTERM, then SIGKILL), exit 75
   releasing              -> the release completes, exit 128+N
 
