@@ -136,6 +136,7 @@ def test_a_takeover_gets_its_whole_timeout_from_its_own_start(nodes: list[Contai
     second = runner(nodes, name, occ, seen="end", among=others)
     wait_for(lambda: occurrence_record(second, name, occ).get("state") == "done", 30, "the takeover's record")
     record = occurrence_record(second, name, occ)
+    print("takeover:", json.dumps(record))
     assert (record["exit_status"], record["attempt"], record["takeover"]) == (0, 2, True), record
     assert record["earlier"][0]["state"] == "abandoned", record
     state = show(second, f"consulrun-{name}.service", "Result", "ExecMainStatus")
@@ -174,11 +175,8 @@ def test_standbys_stopped_do_not_notify_and_an_operator_stop_is_a_result(nodes: 
     # It ran nothing: it exits with the skip code (run --skip-when-stopped), a success for systemd, so OnFailure=
     # is not even queued.
     assert show(stopped, unit, "Result", "ExecMainStatus") == {"Result": "success", "ExecMainStatus": "0"}
-    dropin = timed_out.unit_dir / f"{unit}.d"
-    dropin.mkdir(exist_ok=True)
-    (dropin / "short.conf").write_text("[Service]\nTimeoutStartSec=1s\n")
+    dropin = shorten_start_timeout(timed_out, unit)
     try:
-        timed_out.systemctl("daemon-reload")
         wait_for(lambda: show(timed_out, unit, "ActiveState")["ActiveState"] in ("inactive", "failed"), 60,
                  "the standby's unit to time out")
         assert show(timed_out, unit, "Result")["Result"] == "timeout"
@@ -197,6 +195,41 @@ def test_standbys_stopped_do_not_notify_and_an_operator_stop_is_a_result(nodes: 
     assert wait_for(lambda: notified(holder, name), 30, "the runner's notification") == "exit-code 143"
     for ctr in (stopped, timed_out):
         assert notified(ctr, name) is None, ctr.name
+
+
+def shorten_start_timeout(ctr: Container, unit: str) -> Path:
+    """A drop-in that makes the unit's TimeoutStartSec= (the backstop) expire at once, even for a run under way."""
+    dropin = ctr.unit_dir / f"{unit}.d"
+    dropin.mkdir(exist_ok=True)
+    (dropin / "short.conf").write_text("[Service]\nTimeoutStartSec=1s\n")
+    ctr.systemctl("daemon-reload")
+    return dropin
+
+
+def test_a_run_stopped_by_its_units_backstop_is_not_its_result(nodes: list[Container]) -> None:
+    """systemd's TimeoutStartSec= (shortened on the runner by a drop-in) stops a run under way: that is consulrun
+    overrunning its backstop, not the job's result, so the run is recorded lost and a standby runs it again."""
+    name = "backstop"
+    unit = f"consulrun-{name}.service"
+    occ = install_soon(nodes, name, {**job_lines(name, 10), "timeout": "30s"})
+    holder = runner(nodes, name, occ)
+    others = [c for c in nodes if c is not holder]
+    wait_for(lambda: all(standing_by(c, name) for c in others), 30, "both other nodes to stand by")
+    dropin = shorten_start_timeout(holder, unit)
+    try:
+        wait_for(lambda: show(holder, unit, "Result")["Result"] == "timeout", 30, "the runner's backstop")
+        second = runner(nodes, name, occ, seen="end", among=others)
+    finally:
+        (dropin / "short.conf").unlink()
+        dropin.rmdir()
+        holder.systemctl("daemon-reload")
+    wait_for(lambda: occurrence_record(second, name, occ).get("state") == "done", 30, "the second attempt's record")
+    record = occurrence_record(second, name, occ)
+    print("backstop:", json.dumps(record))
+    assert (record["exit_status"], record["attempt"], record["takeover"]) == (0, 2, True), record
+    first = record["earlier"][0]
+    assert first["state"] == "lost" and "TimeoutStartSec= backstop expired" in first["reason"], record
+    assert "backstop expired" in journal(holder, unit)
 
 
 def test_a_reboot_of_the_runners_node_hands_the_occurrence_on(nodes: list[Container], artifacts: Path) -> None:
@@ -221,6 +254,7 @@ def test_a_reboot_of_the_runners_node_hands_the_occurrence_on(nodes: list[Contai
         Container.end_spawned(follower, timeout=5)
     wait_for(lambda: occurrence_record(second, name, occ).get("state") == "done", 30, "the second attempt's record")
     record = occurrence_record(second, name, occ)
+    print("reboot:", json.dumps(record))
     assert (record["exit_status"], record["attempt"], record["takeover"]) == (0, 2, True), record
     first = record["earlier"][0]
     assert first["state"] == "lost" and "shutting down" in first["reason"], record
