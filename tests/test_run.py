@@ -288,3 +288,38 @@ def test_holder_cut_off_job_dies_before_anyone_else_acquires(cluster: Cluster, t
     assert last_beat <= cut_at + 14.2, last_beat - cut_at
     value = json.loads(base64.b64decode(lock_entry(node3, "consulrun/failover/lock")["Value"]))
     assert value["last"]["node"] == "node3"
+
+
+def test_timeout_stops_the_job_from_its_own_start_and_kills_it_after_the_stop_grace(consul: Agent) -> None:
+    """`--timeout` is the wrapper's: SIGTERM to every process of the job at the timeout, SIGKILL lock-delay - 1s
+    later (a job that ignores SIGTERM here); the run is the job's result (done, `timed_out`), not a lost one."""
+    proc = consulrun("run", "--lock-delay", "5s", "--timeout", "2s", "--schedule", "*-01-01 00:00:00 UTC",
+                     "slowpoke", "--", "sh", "-c", "trap '' TERM; sleep 60")
+    code, _, err = finish(proc, timeout=60)
+    assert code == 128 + signal.SIGKILL, err
+    assert "the job exceeded its timeout of 2s; stopping its processes (SIGTERM, SIGKILL after 4s)" in err, err
+    assert "outlived the 4s grace after its timeout; killing what is left (SIGKILL)" in err, err
+    record = kv_json(consul, "consulrun/slowpoke/occurrence")
+    assert (record["state"], record["exit_status"], record["timed_out"]) == ("done", 137, True), record
+
+
+def test_skip_when_stopped_gives_the_skip_code_to_a_stop_before_the_lock(consul: Agent, tmp_path: Path) -> None:
+    """`--skip-when-stopped` (every generated unit has it): a node stopped while it waited ran nothing, so it exits
+    with the skip code, which systemd counts a success (no OnFailure=); the log line still says which signal."""
+    started = tmp_path / "started"
+    holder = consulrun("run", "stopwait", "--", "sh", "-c", f"touch {started}; sleep 60")
+    try:
+        wait_for(started.exists, 20, "the holder's job")
+        (tmp_path / "hooks").mkdir()
+        waiter = consulrun("run", "--wait", "5m", "--skip-exit-code", "42", "--skip-when-stopped", "stopwait", "--",
+                           "true", env={"CONSULRUN_TEST_PAUSE": "waiting",
+                                        "CONSULRUN_TEST_HOOK_DIR": str(tmp_path / "hooks")})
+        wait_for((tmp_path / "hooks" / "waiting").exists, 20, "the waiter to start waiting")
+        waiter.send_signal(signal.SIGTERM)
+        code, _, err = finish(waiter, timeout=5)
+        assert code == 42, err
+        assert "SIGTERM while waiting for the lock; not running" in err, err
+    finally:
+        holder.send_signal(signal.SIGTERM)
+        finish(holder)
+    assert consul.get("session/list") == []

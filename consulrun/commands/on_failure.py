@@ -29,7 +29,7 @@ def on_failure(job: str, command: tuple[str, ...], unit: str, skip_exit_code: in
     run's last journal lines, also on its standard input). Its exit status is
     passed through.
     """
-    from consulrun.protocol.notify import failure_facts, is_skip, run_on_failure
+    from consulrun.protocol.notify import failure_facts, is_skip, run_on_failure, stopped_before_running
 
     if command and command[0] == "--":
         command = command[1:]
@@ -39,6 +39,11 @@ def on_failure(job: str, command: tuple[str, ...], unit: str, skip_exit_code: in
     facts = failure_facts(job, unit)
     if is_skip(facts, skip_exit_code):
         logging.getLogger("consulrun").info("%s: exit status %s is the skip code; not a failure", job, skip_exit_code)
+        return
+    if stopped_before_running(facts):
+        logging.getLogger("consulrun").info("%s: %s was stopped (%s) while waiting for the lock, before it ran the "
+                                            "job; this node did not run it, so nothing is reported", job, unit,
+                                            facts["CONSULRUN_RESULT"] or "result unknown")
         return
     logging.getLogger("consulrun").info("%s: %s (%s, exit status %s, occurrence %s); running the on_failure command",
                                         job, unit, facts["CONSULRUN_RESULT"] or "result unknown",

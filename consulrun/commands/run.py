@@ -7,7 +7,7 @@ import click
 
 from consulrun.commands.options import Duration, agent_options, job_prefix_option
 from consulrun.commands.runargs import job_missing, start
-from consulrun.manifest.durations import LOCK_DELAY_RANGE_MS, TTL_RANGE_MS, range_text
+from consulrun.manifest.durations import DURATION_MAX_MS, LOCK_DELAY_RANGE_MS, TTL_RANGE_MS, range_text
 
 
 class _RunCommand(click.Command):
@@ -46,6 +46,12 @@ class _RunCommand(click.Command):
 @click.option("--health-check", is_flag=True,
               help="Also set the job's Consul health check (on the prefix's external node) from the result, "
                    "in the same transaction; if Consul refuses the check, the result is recorded without it.")
+@click.option("--timeout", type=Duration((1, DURATION_MAX_MS)), metavar="DURATION",
+              help="Stop the job this long after it started (SIGTERM, SIGKILL lock-delay - 1s later), however long "
+                   "this node stood by or waited before; its status is then the job's own.")
+@click.option("--skip-when-stopped", is_flag=True,
+              help="A termination signal before this node took the lock (waiting, standing by) exits with "
+                   "--skip-exit-code, not 128+N: this node ran nothing, so systemd counts the stop a success.")
 @click.option("--pass-consul-token", is_flag=True,
               help="Leave CONSUL_HTTP_TOKEN, CONSUL_HTTP_TOKEN_FILE and CONSUL_HTTP_AUTH in the job's environment "
                    "(by default the job gets none of them).")
@@ -54,8 +60,8 @@ class _RunCommand(click.Command):
 @click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
 def run(job: str, command: tuple[str, ...], prefix: str, ttl: int, lock_delay: int, checks: tuple[str, ...],
         wait: int, concurrency: int, skip_exit_code: int, schedules: tuple[str, ...], on_holder_loss: str,
-        history: int, ping_url: str | None, health_check: bool, pass_consul_token: bool,
-        **consul: str | None) -> None:
+        history: int, ping_url: str | None, health_check: bool, pass_consul_token: bool, timeout: int | None,
+        skip_when_stopped: bool, **consul: str | None) -> None:
     """Run COMMAND for JOB on this node only if this node gets JOB's Consul lock.
 
     \b
@@ -76,4 +82,4 @@ def run(job: str, command: tuple[str, ...], prefix: str, ttl: int, lock_delay: i
     start(job, command, prefix=prefix, ttl=ttl, lock_delay=lock_delay, checks=checks, wait=wait,
           concurrency=concurrency, skip_exit_code=skip_exit_code, schedules=schedules, on_holder_loss=on_holder_loss,
           history=history, ping_url=ping_url, health_check=health_check, pass_consul_token=pass_consul_token,
-          **consul)
+          timeout=timeout, skip_when_stopped=skip_when_stopped, **consul)

@@ -91,6 +91,8 @@ OPTIONS: dict[str, tuple[str, Callable[[str], Any] | None, Any, bool, str | None
     "--ping-url": ("ping_url", _text, None, False, None),
     "--health-check": ("health_check", None, False, False, None),
     "--pass-consul-token": ("pass_consul_token", None, False, False, None),
+    "--timeout": ("timeout", _duration((1, DURATION_MAX_MS)), None, False, None),
+    "--skip-when-stopped": ("skip_when_stopped", None, False, False, None),
     "--http-addr": ("http_addr", _text, None, False, "CONSUL_HTTP_ADDR"),
     "--token-file": ("token_file", _text, None, False, "CONSUL_HTTP_TOKEN_FILE"),
     "--ca-file": ("ca_file", _text, None, False, "CONSUL_CACERT"),
@@ -179,7 +181,7 @@ def main(args: list[str]) -> None:
 def start(job: str, command: tuple[str, ...], prefix: str, ttl: int, lock_delay: int, checks: tuple[str, ...],
           wait: int, concurrency: int, skip_exit_code: int, schedules: tuple[str, ...], on_holder_loss: str,
           history: int, ping_url: str | None, health_check: bool, pass_consul_token: bool = False,
-          **consul: str | None) -> NoReturn:
+          timeout: int | None = None, skip_when_stopped: bool = False, **consul: str | None) -> NoReturn:
     """Check what the options cannot check alone, then run the job under its lock and exit with its status."""
     problem = None if job == WATCHDOG_JOB else name_problem(job)  # the watchdog's own lock is one to run
     if problem:
@@ -213,7 +215,8 @@ def start(job: str, command: tuple[str, ...], prefix: str, ttl: int, lock_delay:
     setup_logging()
     request = RunRequest(spec=spec, command=command, skip_exit_code=skip_exit_code, schedules=schedules,
                          on_holder_loss=on_holder_loss, history=history, ping_url=ping_url,
-                         health_check=health_check, pass_consul_token=pass_consul_token)
+                         health_check=health_check, pass_consul_token=pass_consul_token, timeout_ms=timeout,
+                         skip_when_stopped=skip_when_stopped)
     sys.exit(run_job(request, consul_config(consul)))
 
 

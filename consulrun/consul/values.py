@@ -34,7 +34,7 @@ _TEXT = ("state", "node", "session", "reason", "zone", "zone_offsets", "job", "h
          "ended_by", "until")
 _TIMES = ("occurrence", "started", "ended", "at", "requested_at")  # ISO 8601 with a zone, as we write them
 _NUMBERS = ("exit_status", "attempt", "pid", "pid_start")
-_FLAGS = ("takeover", "manual")
+_FLAGS = ("takeover", "manual", "timed_out")
 _RECORDS = ("last",)  # a nested record, checked with the same table
 _RECORD_LISTS = ("earlier",)
 _TEXT_LISTS = ("schedule",)

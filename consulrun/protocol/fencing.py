@@ -15,6 +15,8 @@ from consulrun.manifest.durations import LOCK_DELAY_RANGE_MS
 from consulrun.records import record
 
 SAFETY_MARGIN_S = 1.0  # slack for scheduling and process teardown beyond the grace period
+START_RETRY_S = 120.0  # how long `run` retries a transient "no leader" / 5xx at start before exit 69
+FINISH_RETRY_S = 30.0  # how long `run` retries recording a finished run's result
 
 
 @record
@@ -54,3 +56,23 @@ def stop_timeout_ms(lock_delay_ms: int) -> int:
     unit's cgroup: SIGKILL must come before that, with the same margin.
     """
     return lock_delay_ms - int(SAFETY_MARGIN_S * 1000)
+
+
+def start_backstop_ms(timeout_ms: int, lock_delay_ms: int, ttl_ms: int, wait_ms: int, lateness_ms: int,
+                      turns_ms: int, retry: bool) -> int:
+    """The unit's TimeoutStartSec= for a job with a timeout: only a backstop behind the wrapper's own timeout.
+
+    `run --timeout` counts from the job's start; the unit's timeout counts
+    from the unit's start, which may be long before: the start's retries of
+    an election, the timer's lateness against the other nodes, the turns,
+    `--wait`, lock-delay. Under `retry` a standby also stands by through the
+    first attempt (its timeout and stop grace) and its death going unnoticed
+    (up to 2 x TTL) before its own attempt: README's numbers for at least
+    once. Then the attempt itself (timeout and stop grace) and recording its
+    result. systemd stopping a run here is consulrun's failure, never the
+    job's result.
+    """
+    attempt_ms = timeout_ms + stop_timeout_ms(lock_delay_ms)
+    standby_ms = attempt_ms + 2 * ttl_ms if retry else 0
+    return (int(START_RETRY_S * 1000) + lateness_ms + turns_ms + wait_ms + standby_ms + lock_delay_ms + attempt_ms
+            + int(FINISH_RETRY_S * 1000))

@@ -143,19 +143,39 @@ def failure_facts(job: str, unit: str, env: dict[str, str] | None = None) -> dic
         status = status or shown.get("ExecMainStatus", "")
     journal = _journal(invocation, unit)
     found = OCCURRENCE_RE.findall(journal)
-    return {"CONSULRUN_JOB": job, "CONSULRUN_NODE": _node(job, journal, invocation), "CONSULRUN_UNIT": unit,
+    node = _acquired_node(job, journal, invocation)
+    if result == "exit-code" and re.search(rf"^consulrun: {re.escape(job)}: {TIMED_OUT_LINE}", journal, re.M):
+        result = "timeout"  # the wrapper's own timeout (run --timeout) stopped the job, as TimeoutStartSec= did
+    return {"CONSULRUN_JOB": job, "CONSULRUN_NODE": node or socket.gethostname(), "CONSULRUN_UNIT": unit,
             "CONSULRUN_RESULT": result, "CONSULRUN_EXIT_STATUS": status, "CONSULRUN_INVOCATION_ID": invocation,
-            "CONSULRUN_OCCURRENCE": found[-1] if found else "", "CONSULRUN_JOURNAL": journal}
+            "CONSULRUN_OCCURRENCE": found[-1] if found else "", "CONSULRUN_JOURNAL": journal,
+            "_ran": "1" if node else ""}  # not for the command: see run_on_failure
 
 
-def _node(job: str, journal: str, invocation: str) -> str:
+TIMED_OUT_LINE = "the job exceeded its timeout"  # stops.JobTimeout's line
+STOPPED_WAITING_LINE = "while waiting for the lock; not running"  # runner.run's line for a stop before the lock
+
+
+def _acquired_node(job: str, journal: str, invocation: str) -> str | None:
     """The Consul node name the run used, as its `acquired` line says (the rest of consulrun names nodes so; it
-    may differ from the host name); the host name if the run never acquired (it could not reach its agent)."""
+    may differ from the host name); None if the run never acquired (it could not reach its agent, it was stopped
+    while standing by)."""
     pattern = re.compile(rf"^consulrun: {re.escape(job)}: acquired \S+ .*\(node (\S+), session ", re.M)
     found = pattern.findall(journal)
     if not found and invocation:  # the line is near the run's start, before the last lines shown
         found = pattern.findall(_journal_head(invocation))
-    return found[-1] if found else socket.gethostname()
+    return found[-1] if found else None
+
+
+def stopped_before_running(facts: dict[str, str]) -> bool:
+    """The failed run was stopped (`systemctl stop`, the unit's timeout, a shutdown) while it waited or stood by,
+    before it took the lock: this node did not run the job, so it has nothing to report.
+
+    A run that failed before the lock for another reason (Consul unreachable, a bad command) still notifies.
+    """
+    return not facts.get("_ran") and bool(
+        re.search(rf"^consulrun: {re.escape(facts['CONSULRUN_JOB'])}: SIG[A-Z]+ {STOPPED_WAITING_LINE}",
+                  facts["CONSULRUN_JOURNAL"], re.M))
 
 
 def _journal_head(invocation: str, lines: int = 200) -> str:
@@ -198,7 +218,7 @@ def run_on_failure(command: list[str], facts: dict[str, str]) -> int:
     """Run the manifest's on_failure command with the facts in its environment and the journal on stdin."""
     try:
         done = subprocess.run(command, input=facts["CONSULRUN_JOURNAL"] + "\n", text=True,
-                              env={**os.environ, **facts})
+                              env={**os.environ, **{k: v for k, v in facts.items() if k.startswith("CONSULRUN_")}})
     except OSError as exc:
         log.error("%s: on_failure: cannot start %s: %s", facts["CONSULRUN_JOB"], command[0], exc.strerror or exc)
         return 127

@@ -1,9 +1,12 @@
 """`consulrun run`: take the lock, run the job while the lock is confirmed, let go.
 
 Phases and what a termination signal does in each:
-  waiting for the lock   -> stop waiting at once, destroy the session, exit 128+N
+  waiting for the lock   -> stop waiting at once, destroy the session, exit 128+N (the skip code with
+                            --skip-when-stopped: this node ran nothing)
   acquired, not started  -> the job is not started; the claim is recorded lost, the lock released, exit 128+N
-  job running            -> forwarded to every process of the job; the job's own status is passed through
+  job running            -> forwarded to every process of the job; the job's own status is passed through;
+                            recorded done, unless systemd says the stop was not aimed at the job (a
+                            shutdown, the unit's backstop timeout): then lost (stops.py)
   lock lost              -> every process of the job is killed (SIGTERM, then SIGKILL), exit 75
   releasing              -> the release completes, exit 128+N
 
@@ -32,7 +35,9 @@ from consulrun.consul.settings import CREDENTIAL_VARIABLES
 from consulrun.consul.values import printable
 from consulrun.errors import ConsulrunError, ConsulUnavailable, ExitCode, JobNotStarted, UsageError
 from consulrun.protocol import testhook
+from consulrun.protocol.fencing import FINISH_RETRY_S, START_RETRY_S, stop_timeout_ms
 from consulrun.protocol.lock import Fencing, Held, Interrupted, Locker, LockSpec, Watcher, clock, now_iso as _now
+from consulrun.protocol.stops import STOP_SIGNALS, JobTimeout
 from consulrun.records import record
 
 TYPE_CHECKING = False  # typing's own flag without importing typing on every run
@@ -45,7 +50,6 @@ if TYPE_CHECKING:  # a skipping run imports none of these (issue: lean hot path)
 log = logging.getLogger("consulrun")
 
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
-START_RETRY_S = 120.0  # how long a transient "no leader" / 5xx at start is retried before exit 69
 
 
 @record
@@ -59,6 +63,8 @@ class RunRequest:
     ping_url: str | None = None  # Healthchecks.io-style monitor (notify.py)
     health_check: bool = False  # the result also sets the job's Consul health check (health.py)
     pass_consul_token: bool = False  # the job keeps CONSUL_HTTP_TOKEN(_FILE) (the manifest's pass_consul_token)
+    timeout_ms: int | None = None  # the job's own time limit, from its start (stops.py)
+    skip_when_stopped: bool = False  # a stop before the lock exits with the skip code: this node ran nothing
 
 
 class _Signals:
@@ -150,8 +156,10 @@ class _Signals:
         os.close(self._writer)
 
 
-def _supervise(job: Job, watcher: Watcher, fencing: Fencing, signals: _Signals, name: str) -> tuple[int, str | None]:
-    """Wait for the job while the watcher confirms the lock; kill all of it as soon as the lock may be lost.
+def _supervise(job: Job, watcher: Watcher, fencing: Fencing, signals: _Signals, name: str,
+               limit: JobTimeout | None = None) -> tuple[int, str | None]:
+    """Wait for the job while the watcher confirms the lock; kill all of it as soon as the lock may be lost,
+    and stop it when it has run for its own timeout (`limit`).
 
     Deadlines are absolute on CLOCK_BOOTTIME and every sleep is short, so a
     wrapper that was stopped, starved or suspended past its deadline notices at
@@ -173,7 +181,10 @@ def _supervise(job: Job, watcher: Watcher, fencing: Fencing, signals: _Signals, 
             log.error("%s: lock lost: %s; killing the job's processes (%s)", name, reason, how)
             job.kill_all(min(fencing.grace_s, grace), now=clock)
             return ExitCode.LOCK_LOST, reason
-        _wait_readable([signals.wakeup, watcher.wakeup], min(deadline - now, 1.0) + 0.01)
+        if limit is not None:
+            limit.check(job, now)
+        wait = min(deadline - now, 1.0, limit.next_s(now) if limit is not None else 1.0)
+        _wait_readable([signals.wakeup, watcher.wakeup], max(0.0, wait) + 0.01)
         signals.drain()
         try:
             os.read(watcher.wakeup, 64) if watcher.lost_reason else None
@@ -235,7 +246,7 @@ def run(request: RunRequest, config: ConsulConfig) -> int:
             held, ledger, claim, why = _acquire_with_retries(request, locker)
         except Interrupted as exc:
             log.info("%s: %s while waiting for the lock; not running", spec.job, signal.Signals(exc.signum).name)
-            return 128 + exc.signum
+            return request.skip_exit_code if request.skip_when_stopped else 128 + exc.signum
         finally:
             if held is None:
                 signals.interruptible = False
@@ -323,6 +334,8 @@ def _run_held(request: RunRequest, locker: Locker, held: Held, fencing: Fencing,
             env = _job_environment(held, spec, claim, request.pass_consul_token)
             job = Job(list(request.command), env)  # no other thread while forking
             signals.job = job
+            limit = None if not request.timeout_ms else \
+                JobTimeout(spec.job, request.timeout_ms / 1000, stop_grace_s(spec.lock_delay_ms), clock())
         finally:
             signal.pthread_sigmask(signal.SIG_UNBLOCK, FORWARDED)
         signals.forward_pending()
@@ -330,13 +343,17 @@ def _run_held(request: RunRequest, locker: Locker, held: Held, fencing: Fencing,
         pings.start()
         testhook.pause("started")
         testhook.fail("started")
-        status, lost = _supervise(job, watcher, fencing, signals, spec.job)
+        status, lost = _supervise(job, watcher, fencing, signals, spec.job, limit)
         if not lost and job.alive():
             # A wrapper waking late must not give leftovers a grace period it no longer has.
             grace = min(fencing.grace_s, watcher.last_confirmed + fencing.kill_by_s - clock())
             log.warning("%s: the job exited but left processes behind; stopping them", spec.job)
             job.kill_all(grace, now=clock)
-        outcome = {"exit_status": status, "ended": _now(), **({"lost": lost} if lost else {})}
+        if not lost and not (limit and limit.expired) and \
+                (signals.received or status in [128 + sig for sig in STOP_SIGNALS]):
+            lost = _stopped_not_a_result(spec.job, status)
+        outcome = {"exit_status": status, "ended": _now(), **({"lost": lost} if lost else {}),
+                   **({"timed_out": True} if limit and limit.expired else {})}
         if not lost:
             log.info("%s: job exited with status %d", spec.job, status)
         return status
@@ -365,6 +382,18 @@ def _run_held(request: RunRequest, locker: Locker, held: Held, fencing: Fencing,
         else:
             locker.session = None  # never destroy it: the lock must outlive the job's processes
         pings.finish(outcome)  # last: a slow monitor never delays killing the job or releasing the lock
+
+
+def _stopped_not_a_result(name: str, status: int) -> str | None:
+    """After a stop that reached the job: why it is not the run's result (then the run is recorded lost, and a
+    `retry` occurrence goes to another node), or None if it is (stops.py says which are)."""
+    from consulrun.protocol.stops import not_a_result
+
+    why = not_a_result()
+    if why:
+        log.warning("%s: the job was stopped (status %d): %s; this is not its result: the run is recorded lost, "
+                    "not done", name, status, why)
+    return why
 
 
 class NotConfirmed(Exception):
@@ -413,7 +442,9 @@ def _job_gone(job: Job | None, name: str) -> bool:
         return False
 
 
-FINISH_RETRY_S = 30.0
+def stop_grace_s(lock_delay_ms: int) -> float:
+    """SIGTERM-to-SIGKILL after the job's own timeout: the unit's TimeoutStopSec=, what systemd gave it before."""
+    return stop_timeout_ms(lock_delay_ms) / 1000
 
 
 def _health_check(request: RunRequest) -> Callable[[dict[str, Any]], dict[str, Any]] | None:

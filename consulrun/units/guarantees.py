@@ -15,6 +15,7 @@ from datetime import datetime, timezone
 from consulrun.manifest import calendar
 from consulrun.manifest.durations import format_duration
 from consulrun.manifest.loader import Job, Manifest
+from consulrun.protocol.fencing import start_backstop_ms
 from consulrun.protocol.turns import turn_at_most_s
 
 LOOK_AHEAD = 200  # occurrences examined for the densest gap (a daily spec with one dense day, DST)
@@ -30,6 +31,19 @@ def retry_takeover_needs_ms(job: Job, gap_ms: int | None = None) -> int:
     unnoticed (2 x TTL), lock-delay, and the second attempt's run time."""
     return (job.timer.accuracy_ms + job.timer.randomized_delay_ms + turn_ms(gap_ms) + 2 * job.lock.ttl_ms
             + job.lock.lock_delay_ms + (job.timeout_ms or 0))
+
+
+def start_timeout_ms(job: Job) -> int | None:
+    """The unit's TimeoutStartSec= (a backstop: `run --timeout` enforces the job's own timeout), None without one.
+
+    The turns are counted at their most (6 s), not for the schedule's gap, so
+    the unit's text does not depend on when it was generated.
+    """
+    if not job.timeout_ms:
+        return None
+    return start_backstop_ms(job.timeout_ms, job.lock.lock_delay_ms, job.lock.ttl_ms, job.lock.wait_ms,
+                             job.timer.accuracy_ms + job.timer.randomized_delay_ms, turn_ms(None),
+                             retry=job.on_holder_loss == "retry" and job.lock.concurrency == 1)
 
 
 def densest_gap_ms(specs: list[str], start: datetime) -> int | None:

@@ -18,6 +18,7 @@ from consulrun.manifest import unitescape, unitsettings
 from consulrun.manifest.durations import format_duration
 from consulrun.manifest.loader import Job, LockSettings, Manifest, TimerSettings
 from consulrun.protocol.fencing import stop_timeout_ms
+from consulrun.units.guarantees import start_timeout_ms
 from consulrun.units.owner import GENERATED_MARKER, OWNER_MARKER, claimed_by_another, owner, owner_of
 
 HEADER = (f"{GENERATED_MARKER} from a job manifest. Do not edit: change the manifest and run\n"
@@ -94,6 +95,9 @@ def run_argv(manifest: Manifest, job: Job, consulrun_path: str) -> list[str]:
         argv += ["--health-check"]
     if job.pass_consul_token:
         argv += ["--pass-consul-token"]
+    if job.timeout_ms:
+        argv += ["--timeout", format_duration(job.timeout_ms)]
+    argv += ["--skip-when-stopped"]  # a standby stopped is no failure: it ran nothing (no OnFailure=)
     return argv + [job.name, "--", *job.command]
 
 
@@ -177,6 +181,7 @@ def render(manifest: Manifest, consulrun_path: str, templates: Path | None = Non
                        "run_argv_suffix": path_word,
                        "consul_environment": _consul_environment(manifest),
                        "stop_timeout_ms": stop_timeout_ms(job.lock.lock_delay_ms),
+                       "start_timeout_ms": start_timeout_ms(job),
                        "reap_argv": reap_argv(manifest, job, consulrun_path),
                        "on_failure_name": on_failure_unit(manifest, job) if job.on_failure else None,
                        "on_failure_argv": on_failure_argv(manifest, job, consulrun_path)}

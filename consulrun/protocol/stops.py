@@ -1,0 +1,115 @@
+"""How a run ends when it does not end by itself: the job's own timeout, and why a termination signal came.
+
+The job's `timeout:` (`run --timeout`) is the wrapper's to enforce, counted from
+the moment the job started: a standby's unit starts at the occurrence and may
+spend a long time standing by and waiting out lock-delay before it runs
+anything, so systemd's `TimeoutStartSec=` (counted from the unit's start) would
+take that time from the job. The unit's own timeout is only a backstop behind
+this one (units/guarantees.py derives it).
+
+A termination signal that reached a running job is one of:
+  the job's own timeout (sent by the wrapper)     a result: the job ran as long as it may
+  `systemctl stop` of the unit, system running    a result: an operator ended this run on purpose
+  the system stopping (shutdown, reboot)          not a result: the stop was not aimed at the job
+  the unit's TimeoutStartSec= backstop            not a result: consulrun overran what it promised
+Only systemd knows which, so it is asked (`systemctl show`), and only on this
+path: a run that ends by itself asks nothing. If systemd cannot be asked (no
+unit, no D-Bus for the unit's user), the stop counts as a result, as it did
+before systemd could be asked.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+
+TYPE_CHECKING = False  # typing's own flag without importing typing on every run
+if TYPE_CHECKING:
+    from typing import Callable
+
+    from consulrun.protocol.child import Job
+
+log = logging.getLogger("consulrun")
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+SYSTEMCTL_TIMEOUT_S = 5.0
+
+
+class JobTimeout:
+    """The job's own time limit: SIGTERM to all of it at `timeout_s` after its start, SIGKILL `grace_s` later.
+
+    Checked from the supervising loop, so the lock stays watched through the
+    grace period; a wrapper that wakes past both deadlines kills at once.
+    """
+
+    def __init__(self, name: str, timeout_s: float, grace_s: float, started: float) -> None:
+        self.name = name
+        self.timeout_s = timeout_s
+        self.grace_s = grace_s
+        self.term_at = started + timeout_s
+        self.kill_at = self.term_at + grace_s
+        self.expired = False
+        self.killed = False
+
+    def check(self, job: Job, now: float) -> None:
+        if not self.expired and now >= self.term_at:
+            self.expired = True
+            if now < self.kill_at:
+                log.warning("%s: the job exceeded its timeout of %gs; stopping its processes (SIGTERM, SIGKILL "
+                            "after %gs)", self.name, self.timeout_s, self.grace_s)
+                job.signal(signal.SIGTERM)
+                return
+            log.warning("%s: the job exceeded its timeout of %gs; killing its processes (SIGKILL at once: the "
+                        "wrapper woke too late for a grace period)", self.name, self.timeout_s)
+        elif self.expired and not self.killed and now >= self.kill_at and job.alive():
+            log.warning("%s: the job outlived the %gs grace after its timeout; killing what is left (SIGKILL)",
+                        self.name, self.grace_s)
+        else:
+            return
+        self.killed = True
+        job.kill_all(0)
+
+    def next_s(self, now: float) -> float:
+        """Seconds until the next thing this limit must do (long if nothing is left)."""
+        if not self.expired:
+            return self.term_at - now
+        return self.kill_at - now if not self.killed else 3600.0
+
+
+def own_unit(read: Callable[[], str] | None = None) -> str | None:
+    """The systemd unit this process runs in (from /proc/self/cgroup), or None outside a service."""
+    try:
+        text = read() if read else open("/proc/self/cgroup", encoding="utf-8").read()  # noqa: SIM115
+    except OSError:
+        return None
+    lines = text.splitlines()
+    # systemd's own hierarchy (v2's `0::`, or v1's `name=systemd`) places the process; a controller may lag.
+    for line in [x for x in lines if x.startswith("0::") or ":name=systemd:" in x] or lines:
+        for part in reversed(line.rsplit(":", 1)[-1].split("/")):
+            if part.endswith(".service"):
+                return part
+    return None
+
+
+def _show(*args: str) -> dict[str, str]:
+    import subprocess  # only a stopped run asks: a skipping one must not pay for the import
+
+    try:
+        out = subprocess.run(["systemctl", "show", *args], capture_output=True, text=True,
+                             timeout=SYSTEMCTL_TIMEOUT_S).stdout
+    except (OSError, subprocess.SubprocessError):
+        return {}
+    return dict(line.split("=", 1) for line in out.splitlines() if "=" in line)
+
+
+def not_a_result(unit: str | None = None) -> str | None:
+    """Why the termination signal this run got is not the run's result, or None if it is (see the docstring)."""
+    unit = unit or own_unit()
+    if unit is None:
+        return None
+    state = _show("--property=SystemState").get("SystemState", "")
+    if state == "stopping":
+        return "the system is shutting down (a stop not aimed at the job)"
+    if _show(unit, "--property=Result").get("Result", "") == "timeout":
+        return f"{unit}'s TimeoutStartSec= backstop expired (consulrun overran it; not the job's own timeout)"
+    return None
