@@ -14,7 +14,7 @@ from pathlib import Path
 import jinja2
 
 from consulrun.errors import OutputError, UsageError
-from consulrun.manifest import unitescape, unitsettings
+from consulrun.manifest import hardening, unitescape, unitsettings
 from consulrun.manifest.durations import format_duration
 from consulrun.manifest.loader import Job, LockSettings, Manifest, TimerSettings
 from consulrun.protocol.fencing import stop_timeout_ms
@@ -144,8 +144,10 @@ def reap_argv(manifest: Manifest, job: Job, consulrun_path: str) -> list[str]:
     A shell tests systemd's $SERVICE_RESULT first, so a clean run (or a skip)
     costs a shell, not a Python start-up.
     """
+    token = (["--token-file", manifest.consul.token_file] if manifest.consul.token_file
+             and hardening.reap_outside_sandbox(manifest, job) else [])
     return ["/bin/sh", "-c", 'test "$SERVICE_RESULT" = success || exec "$@"', "sh", consulrun_path, "reap",
-            "--prefix", manifest.kv_prefix, "--concurrency", str(job.lock.concurrency), job.name]
+            "--prefix", manifest.kv_prefix, "--concurrency", str(job.lock.concurrency), *token, job.name]
 
 
 def _consul_environment(manifest: Manifest) -> list[tuple[str, str]]:
@@ -178,6 +180,8 @@ def render(manifest: Manifest, consulrun_path: str, templates: Path | None = Non
                        "consul_environment": _consul_environment(manifest),
                        "stop_timeout_ms": stop_timeout_ms(job.lock.lock_delay_ms),
                        "reap_argv": reap_argv(manifest, job, consulrun_path),
+                       "hardening_settings": hardening.service_lines(manifest, job, consulrun_path),
+                       "reap_prefix": "-!" if hardening.reap_outside_sandbox(manifest, job) else "-",
                        "on_failure_name": on_failure_unit(manifest, job) if job.on_failure else None,
                        "on_failure_argv": on_failure_argv(manifest, job, consulrun_path)}
             units[service] = service_t.render(context)
