@@ -187,6 +187,8 @@ def node(consul_bin: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
             "tidy": {**base, "command": ["sh", "-c", "id -un > /shared/tidy.user; cat /proc/self/status > "
                                                      "/shared/tidy.status; echo tidy done"]},
             "held": {**base, "command": ["sh", "-c", "touch /shared/held-started; exec sleep 600"]},
+            "plain": {**{k: v for k, v in base.items() if k not in ("hardening", "service")},
+                      "command": ["sh", "-c", "touch /shared/plain-started; exec sleep 600"]},
         }
         result = install(ctr, manifest(jobs, consul={"token_file": "/etc/consulrun/token"}), "--no-start")
         assert result.returncode == 0, result.stderr
@@ -225,18 +227,24 @@ def journal_entries(node: Container, unit: str) -> list[dict]:
 
 @pytest.mark.systemd
 @pytest.mark.consul
-def test_killed_wrapper_is_reaped_with_consulrun_tag_and_on_failure_runs(node: Container) -> None:
-    """SIGKILL of the wrapper: ExecStopPost='s reap, in the same sandbox, frees the lock at once (its lines tagged
-    consulrun, not sh), and the on-failure unit still reports."""
-    node.systemctl("start", "--no-block", "consulrun-held.service")
-    wait_for(lambda: (node.shared / "held-started").exists(), 30, "the held job to start")
-    node.systemctl("kill", "-s", "KILL", "--kill-whom=main", "consulrun-held.service")
-    facts = wait_for(lambda: (node.shared / "failed-held").exists()
-                     and json.loads((node.shared / "failed-held").read_text()), 60, "the on_failure command of held")
-    assert facts["CONSULRUN_JOB"] == "held" and facts["CONSULRUN_RESULT"] == "signal", facts
-    reaped = [e for e in journal_entries(node, "consulrun-held.service") if "destroying the session" in e["MESSAGE"]]
-    assert reaped, [(e.get("SYSLOG_IDENTIFIER"), e["MESSAGE"]) for e in journal_entries(node, "consulrun-held.service")]
-    wait_for(lambda: lock_session(node, "held") is None, 30, "the held job's lock to be free")
+@pytest.mark.parametrize("name", ["held", "plain"])
+def test_killed_wrapper_is_reaped_with_consulrun_tag_and_on_failure_runs(node: Container, name: str) -> None:
+    """SIGKILL of the wrapper: ExecStopPost='s reap, in the same sandbox, frees the lock at once, its lines tagged
+    consulrun (they were `sh`: systemd names a command's lines after its program), and on-failure still reports.
+    `plain` is the same job without the preset."""
+    unit = f"consulrun-{name}.service"
+    node.systemctl("start", "--no-block", unit)
+    wait_for(lambda: (node.shared / f"{name}-started").exists(), 30, f"the {name} job to start")
+    node.systemctl("kill", "-s", "KILL", "--kill-whom=main", unit)
+    facts = wait_for(lambda: (node.shared / f"failed-{name}").exists()
+                     and json.loads((node.shared / f"failed-{name}").read_text()), 60, f"the on_failure command of {name}")
+    assert facts["CONSULRUN_JOB"] == name and facts["CONSULRUN_RESULT"] == "signal", facts
+    entries = journal_entries(node, unit)
+    reaped = [e for e in entries if "destroying the session" in e["MESSAGE"]]
+    assert reaped, [(e.get("SYSLOG_IDENTIFIER"), e["MESSAGE"]) for e in entries]
+    assert {e["SYSLOG_IDENTIFIER"] for e in reaped} == {"consulrun"}, reaped
+    assert {e["SYSLOG_IDENTIFIER"] for e in entries if e.get("_PID") != "1"} == {"consulrun"}, entries
+    wait_for(lambda: lock_session(node, name) is None, 30, f"the {name} job's lock to be free")
 
 
 def lock_session(node: Container, job: str) -> str | None:
