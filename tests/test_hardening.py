@@ -92,6 +92,10 @@ def test_reap_reads_the_token_file_as_root_inside_the_sandbox() -> None:
     reap = lines(with_token, "ExecStopPost")[0]
     assert reap.startswith("-!/bin/sh ") and reap.endswith(" reap --prefix consulrun --concurrency 1 --token-file "
                                                            "/etc/consulrun/token a"), reap
+    # As root, reap gets only the agent's settings for an environment, never the job's (LD_PRELOAD, PYTHONPATH).
+    assert " sh /usr/bin/env -i PATH=/usr/sbin:/usr/bin:/sbin:/bin /usr/bin/consulrun reap " in reap, reap
+    tls = service(job(top="consul: {token_file: /t, address: 'https://10.0.0.2:8501', ca_file: /etc/ca.pem}\n"))
+    assert " CONSUL_HTTP_ADDR=https://10.0.0.2:8501 CONSUL_CACERT=/etc/ca.pem /usr/bin/consulrun reap " in tls
     assert lines(with_token, "LoadCredential") == ["consul-token:/etc/consulrun/token"]  # the wrapper's, as before
     assert lines(service(job()), "ExecStopPost")[0].startswith("-/bin/sh ")  # no token: reap as the job's user
     plain = service(job(top="consul: {token_file: /etc/consulrun/token}\n").replace("    hardening: strict\n", ""))
@@ -168,6 +172,8 @@ RECORD = ("import json, os, sys; facts = {k: v for k, v in os.environ.items() if
           "path = '/shared/failed-' + os.environ['CONSULRUN_JOB']; "
           "json.dump(facts, open(path + '.tmp', 'w')); os.rename(path + '.tmp', path)")
 JOB_USER = "hjob"
+# What a job's environment can make Python run: it must never run as root (reap's `!`).
+HOOK = "import os\nopen(f'/shared/sitecustomize-by-{os.getuid()}', 'a').close()\n"
 
 
 @pytest.fixture(scope="module")
@@ -181,12 +187,15 @@ def node(consul_bin: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
         ctr.exec("sh", "-c", "mkdir -p /etc/consulrun && umask 077 && echo 5cfa3c1e-0000-4000-8000-00000000c0de "
                              "> /etc/consulrun/token")
         ctr.exec("chmod", "1777", "/shared")
+        (ctr.shared / "pypath").mkdir()
+        (ctr.shared / "pypath" / "sitecustomize.py").write_text(HOOK)
         base = {"user": JOB_USER, "hardening": "strict", "schedule": "*-01-01 00:00:00",
                 "service": {"ReadWritePaths": ["/shared"]}, "on_failure": ["/usr/bin/python3", "-c", RECORD]}
         jobs = {
             "tidy": {**base, "command": ["sh", "-c", "id -un > /shared/tidy.user; cat /proc/self/status > "
                                                      "/shared/tidy.status; echo tidy done"]},
-            "held": {**base, "command": ["sh", "-c", "touch /shared/held-started; exec sleep 600"]},
+            "held": {**base, "command": ["sh", "-c", "touch /shared/held-started; exec sleep 600"],
+                     "environment": {"PYTHONPATH": "/shared/pypath"}},  # every Python of the unit imports HOOK
             "plain": {**{k: v for k, v in base.items() if k not in ("hardening", "service")},
                       "command": ["sh", "-c", "touch /shared/plain-started; exec sleep 600"]},
         }
@@ -245,6 +254,10 @@ def test_killed_wrapper_is_reaped_with_consulrun_tag_and_on_failure_runs(node: C
     assert {e["SYSLOG_IDENTIFIER"] for e in reaped} == {"consulrun"}, reaped
     assert {e["SYSLOG_IDENTIFIER"] for e in entries if e.get("_PID") != "1"} == {"consulrun"}, entries
     wait_for(lambda: lock_session(node, name) is None, 30, f"the {name} job's lock to be free")
+    if name == "held":  # the wrapper ran the job's environment's hook as the job's user; reap, as root, did not
+        uid = node.exec("id", "-u", JOB_USER).stdout.strip()
+        assert (node.shared / f"sitecustomize-by-{uid}").exists()
+        assert not (node.shared / "sitecustomize-by-0").exists()
 
 
 def lock_session(node: Container, job: str) -> str | None:

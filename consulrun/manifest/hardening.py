@@ -27,8 +27,9 @@ What consulrun needs, and so what the preset keeps open:
   visible). But systemd (252, tested) gives ExecStopPost= no credentials once
   the unit has a mount namespace (its /run/credentials is made inaccessible),
   so with a token a hardened unit's reap runs as root (`!`: no User=, the
-  sandbox and its empty capability set still apply) and reads the root-only
-  `consul.token_file` itself. It stays inside the sandbox: in a container,
+  sandbox and its empty capability set still apply), with only the agent's
+  settings for an environment, and reads the root-only `consul.token_file`
+  itself. It stays inside the sandbox: in a container,
   ProtectKernelTunables= and ProtectProc= show the host's boot id instead of
   the container's, and reap must see the one its wrapper saw;
 - the on-failure unit: a unit of its own, not sandboxed by this (its command
@@ -155,9 +156,9 @@ def _home_visible(manifest: Manifest, job: Job, consulrun_path: str) -> bool:
     return any(p.startswith(HOME_PATHS) or p.rstrip("/") in ("/home", "/root") for p in paths)
 
 
-def reap_outside_sandbox(manifest: Manifest, job: Job) -> bool:
-    """Whether `job`'s ExecStopPost= reap runs as root in the sandbox (`!`) with the token file's path: a control
-    command after the main process finds no credentials there (see the module's docstring)."""
+def reap_as_root(manifest: Manifest, job: Job) -> bool:
+    """Whether `job`'s ExecStopPost= reap runs as root in the sandbox (`!`) and reads the token file itself: a
+    control command after the main process finds no credentials there (see the module's docstring)."""
     return job.hardening == "strict" and bool(manifest.consul.token_file)
 
 
