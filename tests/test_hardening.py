@@ -85,7 +85,7 @@ def test_the_jobs_own_setting_wins_scalars_replace_and_lists_extend() -> None:
     assert lines(lifted, "IPAddressDeny") == ["any", ""]
 
 
-def test_reap_reads_the_token_file_as_root_inside_the_sandbox() -> None:
+def test_reap_reads_the_token_file_as_root_inside_a_mount_namespace() -> None:
     """systemd 252 gives ExecStopPost= no credentials in a mount namespace: reap gets the root-only file's path and
     runs as root (`!`), not outside the sandbox (`+`), whose boot id may differ from its wrapper's in a container."""
     with_token = service(job(top="consul: {token_file: /etc/consulrun/token}\n"))
@@ -100,6 +100,11 @@ def test_reap_reads_the_token_file_as_root_inside_the_sandbox() -> None:
     assert lines(service(job()), "ExecStopPost")[0].startswith("-/bin/sh ")  # no token: reap as the job's user
     plain = service(job(top="consul: {token_file: /etc/consulrun/token}\n").replace("    hardening: strict\n", ""))
     assert lines(plain, "ExecStopPost")[0].startswith("-/bin/sh ") and "--token-file" not in plain
+    for setting in ("PrivateTmp: true", "ProtectSystem: full", "ReadWritePaths: [/srv]"):  # a namespace: no credentials
+        text = job(f"    service: {{{setting}}}\n", top="consul: {token_file: /t}\n").replace("    hardening: strict\n", "")
+        assert lines(service(text), "ExecStopPost")[0].startswith("-!/bin/sh "), setting
+    off = job("    service: {PrivateTmp: false}\n", top="consul: {token_file: /t}\n").replace("    hardening: strict\n", "")
+    assert lines(service(off), "ExecStopPost")[0].startswith("-/bin/sh ")
 
 
 def test_defaults_give_every_job_the_preset_and_a_job_can_opt_out() -> None:
@@ -198,6 +203,9 @@ def node(consul_bin: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
                      "environment": {"PYTHONPATH": "/shared/pypath"}},  # every Python of the unit imports HOOK
             "plain": {**{k: v for k, v in base.items() if k not in ("hardening", "service")},
                       "command": ["sh", "-c", "touch /shared/plain-started; exec sleep 600"]},
+            "tmp": {**{k: v for k, v in base.items() if k not in ("hardening", "service")},
+                    "command": ["sh", "-c", "touch /shared/tmp-started; exec sleep 600"],
+                    "service": {"PrivateTmp": True}},  # a mount namespace of the job's own, without the preset
         }
         result = install(ctr, manifest(jobs, consul={"token_file": "/etc/consulrun/token"}), "--no-start")
         assert result.returncode == 0, result.stderr
@@ -236,11 +244,12 @@ def journal_entries(node: Container, unit: str) -> list[dict]:
 
 @pytest.mark.systemd
 @pytest.mark.consul
-@pytest.mark.parametrize("name", ["held", "plain"])
+@pytest.mark.parametrize("name", ["held", "plain", "tmp"])
 def test_killed_wrapper_is_reaped_with_consulrun_tag_and_on_failure_runs(node: Container, name: str) -> None:
     """SIGKILL of the wrapper: ExecStopPost='s reap, in the same sandbox, frees the lock at once, its lines tagged
     consulrun (they were `sh`: systemd names a command's lines after its program), and on-failure still reports.
-    `plain` is the same job without the preset."""
+    `plain` is the same job without the preset; `tmp` has only PrivateTmp=, whose mount namespace also keeps the
+    credentials from ExecStopPost= (its reap got `permission denied` on the token)."""
     unit = f"consulrun-{name}.service"
     node.systemctl("start", "--no-block", unit)
     wait_for(lambda: (node.shared / f"{name}-started").exists(), 30, f"the {name} job to start")

@@ -156,10 +156,26 @@ def _home_visible(manifest: Manifest, job: Job, consulrun_path: str) -> bool:
     return any(p.startswith(HOME_PATHS) or p.rstrip("/") in ("/home", "/root") for p in paths)
 
 
+# Settings that give a unit a mount namespace (systemd.exec(5)), and with it no credentials in ExecStopPost=.
+MOUNT_NAMESPACE_SETTINGS = frozenset({
+    "ProtectSystem", "ProtectHome", "PrivateTmp", "PrivateDevices", "PrivateMounts", "ProtectKernelTunables",
+    "ProtectKernelModules", "ProtectKernelLogs", "ProtectControlGroups", "ProtectProc", "ProcSubset",
+    "ReadWritePaths", "ReadOnlyPaths", "InaccessiblePaths", "ExecPaths", "NoExecPaths", "TemporaryFileSystem",
+    "BindPaths", "BindReadOnlyPaths", "RootDirectory", "RootImage", "MountImages", "ExtensionImages",
+    "ExtensionDirectories", "DynamicUser", "MountAPIVFS", "LogNamespace", "ProtectHostname", "PrivateIPC",
+    "PrivateUsers", "ProtectClock", "NetworkNamespacePath"})
+_OFF = frozenset({"", "0", "no", "n", "false", "f", "off", "default", "all"})
+
+
 def reap_as_root(manifest: Manifest, job: Job) -> bool:
-    """Whether `job`'s ExecStopPost= reap runs as root in the sandbox (`!`) and reads the token file itself: a
-    control command after the main process finds no credentials there (see the module's docstring)."""
-    return job.hardening == "strict" and bool(manifest.consul.token_file)
+    """Whether `job`'s ExecStopPost= reap runs as root in the unit's sandbox (`!`) and reads the token file itself:
+    in a unit with a mount namespace, a control command after the main process finds no credentials (see the
+    module's docstring), whether the preset or the job's own settings made it. Counting a setting that makes no
+    namespace costs nothing (root reads the file either way); missing one would leave reap without its token."""
+    if not manifest.consul.token_file:
+        return False
+    return job.hardening == "strict" or any(name in MOUNT_NAMESPACE_SETTINGS and value.strip().lower() not in _OFF
+                                            for name, value in job.service_settings)
 
 
 def service_lines(manifest: Manifest, job: Job, consulrun_path: str) -> list[tuple[str, str]]:
