@@ -197,9 +197,11 @@ def test_upgrade_under_running_timers_swaps_trees_and_the_running_job_finishes(n
     assert result.returncode == 0, result.stderr
     tock, long_runs = node.shared / "tock-runs", node.shared / "long-runs"
     wait_for(lambda: tock.exists() and f"{LIVE}/{RELEASE}/bin/python" in tock.read_text(), 60, "a run of tock")
-    # Two older trees: one a process still runs from (its command line names it), one nothing uses.
-    for old in ("0.0.8-1", "0.0.9-1"):
+    # Older trees: one a process still runs from (its command line names it), one a unit calls by its own path,
+    # one nothing uses.
+    for old in ("0.0.7-1", "0.0.8-1", "0.0.9-1"):
         node.exec("sh", "-c", f"mkdir -p {LIVE}/{old}/bin && touch {LIVE}/{old}/pyvenv.cfg")
+    (node.unit_dir / "old-caller.service").write_text(f"[Service]\nExecStart={LIVE}/0.0.7-1/bin/consulrun --version\n")
     node.exec("systemd-run", "--unit", "old-user", "bash", "-c", f"exec -a {LIVE}/0.0.8-1/bin/python sleep 600")
     node.systemctl("start", "--no-block", "consulrun-long.service")
     wait_for(lambda: long_runs.exists(), 30, "the long job to start")
@@ -208,8 +210,10 @@ def test_upgrade_under_running_timers_swaps_trees_and_the_running_job_finishes(n
     assert upgraded.returncode == 0, upgraded.stderr
     assert node.exec("readlink", f"{LIVE}/current").stdout.strip() == NEXT
     assert f"kept {LIVE}/0.0.8-1: a process still runs from it" in upgraded.stderr, upgraded.stderr
+    assert (f"kept {LIVE}/0.0.7-1: units call it (/etc/systemd/system/old-caller.service); install them with "
+            "--consulrun-path /usr/bin/consulrun") in upgraded.stderr, upgraded.stderr
     trees = node.exec("ls", LIVE).stdout.split()
-    assert sorted(trees) == sorted(["0.0.8-1", RELEASE, NEXT, "bin", "current"]), trees  # 0.0.9-1 removed
+    assert sorted(trees) == sorted(["0.0.7-1", "0.0.8-1", RELEASE, NEXT, "bin", "current"]), trees  # 0.0.9-1 went
     # The running wrapper's tree is whole: what it imports lazily at its end is still there.
     assert node.exec(f"{LIVE}/{RELEASE}/bin/python", "-c", "import consulrun.protocol.runner, consulrun.report.status",
                      check=False).returncode == 0
@@ -231,6 +235,7 @@ def test_upgrade_under_running_timers_swaps_trees_and_the_running_job_finishes(n
     assert f"left {LIVE}/0.0.8-1: a process still runs from it" in removed.stderr, removed.stderr
     assert node.exec("ls", LIVE).stdout.split() == ["0.0.8-1"]
     node.systemctl("stop", "old-user.service")
+    (node.unit_dir / "old-caller.service").unlink()
     node.exec("rm", "-rf", LIVE)
 
 
