@@ -20,7 +20,10 @@ from consulrun.units.render import render
 from tests.conftest import require_tool
 from tests.harness.agents import wait_for
 from tests.harness.nspawn import Container
-from tests.test_install import CONSULRUN, agent_get, agent_node, install, journal, manifest
+from tests.harness.netns import Network
+from tests.harness.nspawn import tear_down
+from tests.test_acl_tls import _tls_material
+from tests.test_install import CONSULRUN, agent_get, boot, install, journal, manifest, start_agent
 
 # The exposure `systemd-analyze security` may print for a hardened job, at most. systemd 252 scores a plain consulrun
 # unit 9.2-9.5 (UNSAFE, 9.0 and up) and the issue's hand-hardened job 2.0; systemd calls 1.0 to 4.9 "OK". The preset
@@ -186,33 +189,53 @@ HOOK = "import os\nopen(f'/shared/sitecustomize-by-{os.getuid()}', 'a').close()\
 
 @pytest.fixture(scope="module")
 def node(consul_bin: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Container]:
-    """One booted node with its own agent, a user for the jobs, a root-only token, and the hardened jobs."""
-    with agent_node(consul_bin, tmp_path_factory.mktemp("hardening"), "10.213.97.0/24", "h") as ctr:
-        ctr.exec("sh", "-c", f"id {JOB_USER} || useradd --system --no-create-home --shell /usr/sbin/nologin {JOB_USER}")
-        for folder in {*Path(os.path.realpath(sys.executable)).parents, *Path(CONSULRUN).parents}:
-            if not os.stat(folder).st_mode & 0o001:  # e.g. a checkout or a pyenv under a 0700 folder
-                ctr.exec("chmod", "o+x", str(folder))  # in the container's overlay only
-        ctr.exec("sh", "-c", "mkdir -p /etc/consulrun && umask 077 && echo 5cfa3c1e-0000-4000-8000-00000000c0de "
-                             "> /etc/consulrun/token")
-        ctr.exec("chmod", "1777", "/shared")
-        (ctr.shared / "pypath").mkdir()
-        (ctr.shared / "pypath" / "sitecustomize.py").write_text(HOOK)
-        base = {"user": JOB_USER, "hardening": "strict", "schedule": "*-01-01 00:00:00",
-                "service": {"ReadWritePaths": ["/shared"]}, "on_failure": ["/usr/bin/python3", "-c", RECORD]}
-        jobs = {
-            "tidy": {**base, "command": ["sh", "-c", "id -un > /shared/tidy.user; cat /proc/self/status > "
-                                                     "/shared/tidy.status; echo tidy done"]},
-            "held": {**base, "command": ["sh", "-c", "touch /shared/held-started; exec sleep 600"],
-                     "environment": {"PYTHONPATH": "/shared/pypath"}},  # every Python of the unit imports HOOK
-            "plain": {**{k: v for k, v in base.items() if k not in ("hardening", "service")},
-                      "command": ["sh", "-c", "touch /shared/plain-started; exec sleep 600"]},
-            "tmp": {**{k: v for k, v in base.items() if k not in ("hardening", "service")},
-                    "command": ["sh", "-c", "touch /shared/tmp-started; exec sleep 600"],
-                    "service": {"PrivateTmp": True}},  # a mount namespace of the job's own, without the preset
-        }
-        result = install(ctr, manifest(jobs, consul={"token_file": "/etc/consulrun/token"}), "--no-start")
-        assert result.returncode == 0, result.stderr
+    """One booted node with its own agent (http on 8500, https with client certificates on 8501), a user for the
+    jobs, a root-only token, and the hardened jobs."""
+    workdir = tmp_path_factory.mktemp("hardening")
+    network = Network(1, subnet="10.213.97.0/24", tag="h").up()
+    ctr = agent = None
+    try:
+        ctr = boot(f"crh{os.getpid() % 100000}", workdir, network.namespace(0))
+        tls = _tls_material(consul_bin, ctr.shared / "tls")
+        https = {"ca_file": str(tls["ca"]), "cert_file": str(tls["cert"]), "key_file": str(tls["key"]),
+                 "verify_incoming": True}
+        hcl = "ports { https = 8501 }\ntls { https { " + " ".join(
+            f"{k} = {json.dumps(v.replace(str(ctr.shared), '/shared') if isinstance(v, str) else v)}"
+            for k, v in https.items()) + " } }"
+        agent = start_agent(ctr, consul_bin, "solo", ["-dev", "-client", "127.0.0.1", "-bind", "127.0.0.1",
+                                                      "-hcl", hcl], workdir / "consul.log")
+        _users_token_and_jobs(ctr)
         yield ctr
+    finally:
+        tear_down(ctr, agent, network)
+
+
+def _users_token_and_jobs(ctr: Container) -> None:
+    ctr.exec("sh", "-c", f"id {JOB_USER} || useradd --system --no-create-home --shell /usr/sbin/nologin {JOB_USER}")
+    ctr.exec("chown", JOB_USER, "/shared/tls/dc1-client-consul-0-key.pem")  # the job's user presents it
+    for folder in {*Path(os.path.realpath(sys.executable)).parents, *Path(CONSULRUN).parents}:
+        if not os.stat(folder).st_mode & 0o001:  # e.g. a checkout or a pyenv under a 0700 folder
+            ctr.exec("chmod", "o+x", str(folder))  # in the container's overlay only
+    ctr.exec("sh", "-c", "mkdir -p /etc/consulrun && umask 077 && echo 5cfa3c1e-0000-4000-8000-00000000c0de "
+                         "> /etc/consulrun/token")
+    ctr.exec("chmod", "1777", "/shared")
+    (ctr.shared / "pypath").mkdir()
+    (ctr.shared / "pypath" / "sitecustomize.py").write_text(HOOK)
+    base = {"user": JOB_USER, "hardening": "strict", "schedule": "*-01-01 00:00:00",
+            "service": {"ReadWritePaths": ["/shared"]}, "on_failure": ["/usr/bin/python3", "-c", RECORD]}
+    jobs = {
+        "tidy": {**base, "command": ["sh", "-c", "id -un > /shared/tidy.user; cat /proc/self/status > "
+                                                 "/shared/tidy.status; echo tidy done"]},
+        "held": {**base, "command": ["sh", "-c", "touch /shared/held-started; exec sleep 600"],
+                 "environment": {"PYTHONPATH": "/shared/pypath"}},  # every Python of the unit imports HOOK
+        "plain": {**{k: v for k, v in base.items() if k not in ("hardening", "service")},
+                  "command": ["sh", "-c", "touch /shared/plain-started; exec sleep 600"]},
+        "tmp": {**{k: v for k, v in base.items() if k not in ("hardening", "service")},
+                "command": ["sh", "-c", "touch /shared/tmp-started; exec sleep 600"],
+                "service": {"PrivateTmp": True}},  # a mount namespace of the job's own, without the preset
+    }
+    result = install(ctr, manifest(jobs, consul={"token_file": "/etc/consulrun/token"}), "--no-start")
+    assert result.returncode == 0, result.stderr
 
 
 @pytest.mark.systemd
@@ -279,3 +302,23 @@ def lock_session(node: Container, job: str) -> str | None:
     except subprocess.CalledProcessError:  # no key at all
         return None
     return entries[0].get("Session") if isinstance(entries, list) and entries else None
+
+
+@pytest.mark.systemd
+@pytest.mark.consul
+def test_hardened_job_reaches_an_https_agent_with_client_certificates(node: Container) -> None:
+    """The same node's agent over https (verify_incoming): the CA and the job user's client key are read inside the
+    sandbox, and the agent's address (127.0.0.1:8501) is the one IP allowed, whatever the port."""
+    tls = {"address": "https://127.0.0.1:8501", "ca_file": "/shared/tls/consul-agent-ca.pem",
+           "cert_file": "/shared/tls/dc1-client-consul-0.pem", "key_file": "/shared/tls/dc1-client-consul-0-key.pem"}
+    job = {"command": ["sh", "-c", "echo over https"], "schedule": "*-01-01 00:00:00", "user": JOB_USER,
+           "hardening": "strict"}
+    (node.shared / "tls.yaml").write_text(manifest({"secure": job}, consul=tls))
+    result = node.exec(CONSULRUN, "install", "/shared/tls.yaml", "--no-start", check=False)
+    assert result.returncode == 0, result.stderr
+    unit = (node.unit_dir / "consulrun-secure.service").read_text()
+    assert "IPAddressAllow=localhost" in unit and "Environment=CONSUL_CACERT=/shared/tls/consul-agent-ca.pem" in unit
+    started = node.systemctl("start", "consulrun-secure.service", check=False)
+    log = journal(node, "consulrun-secure.service")
+    assert started.returncode == 0, started.stderr + log
+    assert "acquired consulrun/secure/lock" in log and "over https" in log, log
