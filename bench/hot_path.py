@@ -17,8 +17,8 @@ With `--before DIR` (a checkout of an earlier commit, e.g. `git worktree add --d
 consulrun of DIR runs too, interleaved with the others, through the same Python and the same entry point.
 
 With `--packaged PATH` (the .deb scripts/package builds, unpacked here with dpkg-deb, or an unpacked
-/opt/consulrun), the package's consulrun runs too: its venv's python on its byte-compiled `bin/consulrun`, which
-is what the kernel runs for the script's `#!/opt/consulrun/bin/python` line.
+/opt/consulrun/<release>), the package's consulrun runs too: its venv's python on its byte-compiled `bin/consulrun`,
+which is what the kernel runs for the script's `#!/opt/consulrun/<release>/bin/python` line.
 
 Usage: python bench/hot_path.py [--rounds N] [--nodes N] [--before DIR] [--packaged PATH]   (prints Markdown)
 """
@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import atexit
 import os
+import re
 import shutil
 import signal
 import statistics
@@ -64,11 +65,12 @@ def packaged_command(path: Path) -> list[str]:
         unpacked = Path(tempfile.mkdtemp(prefix="bench-deb-"))
         atexit.register(shutil.rmtree, unpacked, ignore_errors=True)
         subprocess.run(["dpkg-deb", "-x", str(path), str(unpacked)], check=True)
-        path = unpacked / "opt" / "consulrun"
+        # The package's venv, as dpkg unpacks it (postinst links it to /opt/consulrun/<version>-<release>).
+        path = next(iter(sorted((unpacked / "usr" / "lib" / "consulrun" / "releases").glob("*"))), unpacked)
     python, script = path / "bin" / "python", path / "bin" / "consulrun"
     if not (os.access(python, os.X_OK) and script.is_file()):
-        sys.exit(f"bench: {path} holds no bin/python and bin/consulrun (give the .deb or its /opt/consulrun)")
-    if script.read_text().splitlines()[0] != "#!/opt/consulrun/bin/python":
+        sys.exit(f"bench: {path} holds no bin/python and bin/consulrun (give the .deb or an /opt/consulrun/<release>)")
+    if not re.fullmatch(r"#!/opt/consulrun/([^/]+/)?bin/python", script.read_text().splitlines()[0]):
         sys.exit(f"bench: {script} is not the packaged entry script")
     return [str(python), str(script)]
 

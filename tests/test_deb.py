@@ -28,8 +28,13 @@ pytestmark = [pytest.mark.systemd, pytest.mark.consul, pytest.mark.slow]
 PACKAGED = "/usr/bin/consulrun"
 
 
-def package() -> Path:
-    result = subprocess.run([str(REPO / "scripts" / "package")], capture_output=True, text=True, timeout=900)
+RELEASE = "0.1.0-1"  # what scripts/package names the venv's tree (<version>-<release>) by default
+LIVE = "/opt/consulrun"
+
+
+def package(release: int = 1) -> Path:
+    env = {**os.environ, "CONSULRUN_PACKAGE_RELEASE": str(release)}
+    result = subprocess.run([str(REPO / "scripts" / "package")], capture_output=True, text=True, timeout=900, env=env)
     assert result.returncode == 0, result.stderr
     return Path(result.stdout.strip().splitlines()[-1])
 
@@ -74,17 +79,19 @@ def test_same_input_gives_the_same_package(deb: Path) -> None:
 def test_package_holds_the_venv_the_command_the_completions_docs_and_rules(deb: Path) -> None:
     listing = subprocess.run(["dpkg-deb", "-c", str(deb)], capture_output=True, text=True, check=True).stdout
     paths = {line.split()[5].removeprefix(".") for line in listing.splitlines()}
-    for path in ("/opt/consulrun/bin/consulrun", "/opt/consulrun/pyvenv.cfg", "/usr/bin/consulrun",
+    payload = f"/usr/lib/consulrun/releases/{RELEASE}"  # dpkg's copy; postinst links it to /opt/consulrun/<release>
+    for path in (f"{payload}/bin/consulrun", f"{payload}/pyvenv.cfg", "/usr/bin/consulrun",
                  "/usr/share/bash-completion/completions/consulrun", "/usr/share/zsh/vendor-completions/_consulrun",
                  "/usr/share/fish/vendor_completions.d/consulrun.fish", "/usr/share/doc/consulrun/copyright",
                  "/usr/share/doc/consulrun/examples/jobs.yaml", "/usr/share/doc/consulrun/alerts.md",
                  "/usr/share/consulrun/prometheus/consulrun-rules.yml"):
         assert path in paths, path
-    assert "/usr/bin/consulrun -> /opt/consulrun/bin/consulrun" in listing
-    sources = [p for p in paths if p.startswith("/opt/consulrun/lib/") and p.endswith(".py")]
+    assert "/usr/bin/consulrun -> /opt/consulrun/current/bin/consulrun" in listing
+    assert not [p for p in paths if p.startswith("/opt/")]  # the live trees are postinst's, never dpkg's to overwrite
+    sources = [p for p in paths if p.startswith(f"{payload}/lib/") and p.endswith(".py")]
     uncompiled = [p for p in sources if f"{Path(p).parent}/__pycache__/{Path(p).stem}.cpython-311.pyc" not in paths]
     assert sources and uncompiled == []
-    assert not [p for p in paths if "/pip/" in p or p.startswith("/opt/consulrun/lib/python3.11/site-packages/pip")]
+    assert not [p for p in paths if "/pip/" in p or p.startswith(f"{payload}/lib/python3.11/site-packages/pip")]
     fields = subprocess.run(["dpkg-deb", "-f", str(deb), "Depends"], capture_output=True, text=True).stdout
     assert fields.strip() == "python3 (>= 3.11), python3 (<< 3.12)"
 
@@ -104,9 +111,10 @@ def test_installed_package_runs_a_timer_job_under_the_lock_and_removal_disarms_i
     assert offline.returncode == 1 and ("gaierror" in offline.stderr or "unreachable" in offline.stderr), offline.stderr
 
     node.exec("dpkg", "-i", f"/shared/{deb.name}")
-    where = node.exec(PACKAGED.replace("bin/consulrun", "bin/env"), "-i", "/opt/consulrun/bin/python", "-c",
+    where = node.exec(PACKAGED.replace("bin/consulrun", "bin/env"), "-i", f"/opt/consulrun/{RELEASE}/bin/python", "-c",
                       "import consulrun, jsonschema; print(consulrun.__file__, jsonschema.__file__)").stdout.split()
-    assert all(path.startswith("/opt/consulrun/lib/python3.11/site-packages/") for path in where), where
+    assert all(path.startswith(f"/opt/consulrun/{RELEASE}/lib/python3.11/site-packages/") for path in where), where
+    assert node.exec("readlink", "/opt/consulrun/current").stdout.strip() == RELEASE
     # bash completion where bash-completion looks, answered by the packaged program.
     completion = node.exec("bash", "-c", "source /usr/share/bash-completion/completions/consulrun; "
                            "COMP_WORDS=(consulrun ins); COMP_CWORD=1; _consulrun_completion consulrun; "
@@ -142,13 +150,93 @@ def test_installed_package_runs_a_timer_job_under_the_lock_and_removal_disarms_i
     assert removed.returncode == 0, removed.stderr
     assert ("consulrun: removed; left in /etc/systemd/system, timers stopped and disabled (they run "
             "/usr/bin/consulrun): consulrun-tick.service consulrun-tick.timer") in removed.stderr, removed.stderr
-    assert node.exec("test", "-e", "/opt/consulrun", check=False).returncode == 1
+    # The trees go, but one a tick still runs from at this moment (a job is left to finish), which is named; only
+    # the byte code shipped was ever in them (no run wrote there).
+    if f"left {LIVE}/{RELEASE}: a process still runs from it" in removed.stderr:
+        assert node.exec("ls", "-A", LIVE).stdout.split() == [RELEASE]
+        wait_for(lambda: node.systemctl("is-active", "consulrun-tick.service", check=False).stdout.strip()
+                 != "active", 30, "the last tick to finish")
+        node.exec("rm", "-rf", LIVE)
+    assert node.exec("test", "-e", LIVE, check=False).returncode == 1, removed.stderr
     assert node.systemctl("is-enabled", "consulrun-tick.timer", check=False).stdout.strip() == "disabled"
     assert node.systemctl("is-active", "consulrun-tick.timer", check=False).stdout.strip() == "inactive"
-    # Nothing enabled or active is left pointing at the missing program; nothing the runs wrote is left in /opt
-    # (the byte code shipped is all a run needed: /opt/consulrun is gone above).
+    # Nothing enabled or active is left pointing at the missing program.
     leftover = node.systemctl("list-units", "--all", "--no-legend", "--plain", "consulrun-*").stdout
     assert [line for line in leftover.splitlines() if " active " in line and ".timer" in line] == []
+
+
+# --- an upgrade under running timers ----------------------------------------------------------------------------
+
+NEXT = "0.1.0-2"
+# The job's own record of which tree its wrapper runs from: the wrapper's command line (its venv's python).
+WHERE = "printf '%s %s\\n' $CONSULRUN_OCCURRENCE \"$(tr '\\0' ' ' < /proc/$PPID/cmdline)\" >> /shared/{out}"
+
+
+@pytest.fixture(scope="module")
+def next_deb(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The same source built as the next Debian revision: a newer package whose tree has another name."""
+    built = package(release=2)
+    copy = tmp_path_factory.mktemp("deb-next") / built.name
+    copy.write_bytes(built.read_bytes())
+    return copy
+
+
+def test_upgrade_under_running_timers_swaps_trees_and_the_running_job_finishes(node: Container, deb: Path,
+                                                                              next_deb: Path) -> None:
+    """dpkg -i of a newer package while a job runs and a timer fires every 2 s (issue #31: an upgrade in place gave
+    ModuleNotFoundError and 203/EXEC): no unit fails, the running job ends as it began, from its own tree, the next
+    runs come from the new one; old trees go only when nothing runs from them."""
+    (node.shared / next_deb.name).write_bytes(next_deb.read_bytes())
+    node.exec("dpkg", "-i", f"/shared/{deb.name}")
+    (node.shared / "up.yaml").write_text(yaml.safe_dump({
+        "defaults": {"lock": {"ttl": "10s", "lock_delay": "5s"}, "timer": {"accuracy": "1s"}},
+        "jobs": {"tock": {"command": ["sh", "-c", WHERE.format(out="tock-runs")], "schedule": "*:*:0/2"},
+                 "long": {"command": ["sh", "-c", WHERE.format(out="long-runs") + "; exec sleep 12"],
+                          "schedule": "*-01-01 00:00:00"}}}))
+    result = node.exec(PACKAGED, "install", "/shared/up.yaml", "--consulrun-path", PACKAGED, check=False)
+    assert result.returncode == 0, result.stderr
+    tock, long_runs = node.shared / "tock-runs", node.shared / "long-runs"
+    wait_for(lambda: tock.exists() and f"{LIVE}/{RELEASE}/bin/python" in tock.read_text(), 60, "a run of tock")
+    # Older trees: one a process still runs from (its command line names it), one a unit calls by its own path,
+    # one nothing uses.
+    for old in ("0.0.7-1", "0.0.8-1", "0.0.9-1"):
+        node.exec("sh", "-c", f"mkdir -p {LIVE}/{old}/bin && touch {LIVE}/{old}/pyvenv.cfg")
+    (node.unit_dir / "old-caller.service").write_text(f"[Service]\nExecStart={LIVE}/0.0.7-1/bin/consulrun --version\n")
+    node.exec("systemd-run", "--unit", "old-user", "bash", "-c", f"exec -a {LIVE}/0.0.8-1/bin/python sleep 600")
+    node.systemctl("start", "--no-block", "consulrun-long.service")
+    wait_for(lambda: long_runs.exists(), 30, "the long job to start")
+
+    upgraded = node.exec("dpkg", "-i", f"/shared/{next_deb.name}", check=False)
+    assert upgraded.returncode == 0, upgraded.stderr
+    assert node.exec("readlink", f"{LIVE}/current").stdout.strip() == NEXT
+    assert f"kept {LIVE}/0.0.8-1: a process still runs from it" in upgraded.stderr, upgraded.stderr
+    assert (f"kept {LIVE}/0.0.7-1: units call it (/etc/systemd/system/old-caller.service); install them with "
+            "--consulrun-path /usr/bin/consulrun") in upgraded.stderr, upgraded.stderr
+    trees = node.exec("ls", LIVE).stdout.split()
+    assert sorted(trees) == sorted(["0.0.7-1", "0.0.8-1", RELEASE, NEXT, "bin", "current"]), trees  # 0.0.9-1 went
+    # The running wrapper's tree is whole: what it imports lazily at its end is still there.
+    assert node.exec(f"{LIVE}/{RELEASE}/bin/python", "-c", "import consulrun.protocol.runner, consulrun.report.status",
+                     check=False).returncode == 0
+    wait_for(lambda: f"{LIVE}/{NEXT}/bin/python" in tock.read_text(), 60, "a run of tock from the new tree")
+    wait_for(lambda: node.systemctl("is-active", "consulrun-long.service", check=False).stdout.strip() != "active"
+             and node.systemctl("show", "-P", "ActiveState", "consulrun-long.service").stdout.strip() == "inactive",
+             60, "the long job to finish")
+    assert node.systemctl("show", "-P", "Result", "consulrun-long.service").stdout.strip() == "success"
+    assert f"{LIVE}/{RELEASE}/bin/python" in long_runs.read_text()  # it ran from the old tree, to its end
+    runs = json.loads(node.exec(PACKAGED, "history", "/shared/up.yaml", "long", "--json").stdout)["runs"]
+    assert [(r["state"], r.get("exit_status")) for r in runs] == [("done", 0)], runs
+    failed = node.systemctl("list-units", "--failed", "--no-legend", "--plain", "consulrun-*").stdout
+    assert failed.strip() == "", failed
+    log = node.exec("journalctl", "--no-pager", "-o", "cat", "-u", "consulrun-*").stdout
+    assert "ModuleNotFoundError" not in log and "203/EXEC" not in log and "Traceback" not in log, log
+
+    removed = node.exec("dpkg", "-r", "consulrun", check=False)
+    assert removed.returncode == 0, removed.stderr
+    assert f"left {LIVE}/0.0.8-1: a process still runs from it" in removed.stderr, removed.stderr
+    assert node.exec("ls", LIVE).stdout.split() == ["0.0.8-1"]
+    node.systemctl("stop", "old-user.service")
+    (node.unit_dir / "old-caller.service").unlink()
+    node.exec("rm", "-rf", LIVE)
 
 
 # --- a bare node, from nothing to a firing timer in one command from this machine -------------------------------

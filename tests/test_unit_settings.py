@@ -89,7 +89,8 @@ def test_defaults_are_checked_and_merged_key_by_key() -> None:
 
 
 def test_every_setting_the_templates_write_is_refused() -> None:
-    """Whatever the shipped templates set, a job cannot set again (LoadCredential: only the token's id)."""
+    """Whatever the shipped templates set, a job cannot set again (LoadCredential: only the token's id;
+    SyslogIdentifier: a job's own tag is written after consulrun's and wins, for all the unit's lines)."""
     manifest = load_manifest(GOLDEN / "tls-and-checks" / "manifest.yaml")
     units = render(manifest, "/usr/bin/consulrun")
     written: dict[str, set[str]] = {"service": set(), "timer": set()}
@@ -102,9 +103,10 @@ def test_every_setting_the_templates_write_is_refused() -> None:
                 written[section].add(line.split("=", 1)[0])
     assert written["service"] >= {"ExecStart", "Type", "KillMode", "TimeoutStopSec", "User", "Environment"}
     for section, names in written.items():
-        for name in sorted(names - {"LoadCredential"}):
+        for name in sorted(names - {"LoadCredential", "SyslogIdentifier"}):
             assert (unitsettings.name_problem(section, name) or "").startswith(f"{name}= is consulrun's"), name
     assert unitsettings.value_problem("LoadCredential", "consul-token:/etc/t") is not None
+    assert unitsettings.name_problem("service", "SyslogIdentifier") is None
 
 
 def test_owned_and_percent_settings_are_names_systemd_documents() -> None:

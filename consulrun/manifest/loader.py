@@ -26,7 +26,7 @@ import yaml
 from consulrun.consul.address import AddressError, parse_address
 from consulrun.consul.settings import CREDENTIAL_VARIABLES, ConsulSettings
 from consulrun.errors import ManifestError, os_reason
-from consulrun.manifest import shellsyntax, unitescape, unitsettings
+from consulrun.manifest import hardening, shellsyntax, unitescape, unitsettings
 from consulrun.manifest.durations import (
     DURATION_MAX_MS,
     LOCK_DELAY_RANGE_MS,
@@ -80,6 +80,7 @@ class Job:
     on_failure: tuple[str, ...] = ()  # argv run by <unit_prefix>-onfailure@<job>.service (OnFailure=)
     ping_url: str | None = None
     pass_consul_token: bool = False  # the job's environment keeps the wrapper's CONSUL_HTTP_TOKEN(_FILE)
+    hardening: str = "none"  # a sandbox preset (manifest.hardening), written before service_settings
 
 
 @dataclass(frozen=True)
@@ -399,6 +400,7 @@ def _build(source: str, data: dict[str, Any], problems: _Problems) -> Manifest:
             on_failure=_on_failure(problems, name, raw, defaults),
             ping_url=raw.get("ping_url", defaults.get("ping_url")),
             pass_consul_token=raw.get("pass_consul_token", False),
+            hardening=raw.get("hardening", defaults.get("hardening", "none")),
         ))
     return Manifest(
         source=source,
@@ -468,6 +470,10 @@ def validate(located: Located, source: str) -> Manifest:
     _semantic_checks(problems, data)
     problems.raise_if_any()
     manifest = _build(source, data, problems)
+    for job in manifest.jobs:
+        where = ("jobs", job.name, "hardening") if "hardening" in data["jobs"][job.name] else ("defaults", "hardening")
+        for message in hardening.problems(manifest, job):
+            problems.add(where, message)
     problems.raise_if_any()
     return manifest
 

@@ -88,6 +88,7 @@ KILL_SEQUENCE_MODES: dict[str, dict[str, str]] = {
 # Credentials are a list setting a job may well extend; only the id the templates use is consulrun's.
 _CREDENTIAL_SETTINGS = {"LoadCredential", "LoadCredentialEncrypted", "SetCredential", "SetCredentialEncrypted"}
 CONSUL_TOKEN_CREDENTIAL = "consul-token"
+_TRUE = frozenset({"1", "yes", "y", "true", "t", "on"})  # systemd's parse_boolean
 # Settings that would write a secret into the unit file, which every user can read (docs/manifest.md).
 SECRET_IN_UNIT = {
     "SetCredential": "it writes the credential's value into the unit file, which every user can read; put the secret "
@@ -144,6 +145,10 @@ def value_problem(name: str, value: str) -> str | None:
         allowed = " or ".join(m for m in ("terminate", "kill") if m not in KILL_SEQUENCE_MODES[name])
         why = KILL_SEQUENCE_MODES[name][value.strip().lower()]
         return f"{name}={value.strip()} is refused ({allowed} are accepted): {why}"
+    if name == "PrivateNetwork" and value.strip().lower() in _TRUE:
+        return ("PrivateNetwork=yes is refused: consulrun reaches the node's agent over the host's network, and marks "
+                "a running holder with an abstract unix socket in the host's network namespace, which the node's "
+                "other units and reap must see (a new namespace's loopback is not the agent's)")
     if name == "PassEnvironment" and CREDENTIAL_VARIABLES & set(value.split()):
         return ("would hand the service manager's Consul credentials to the job; consulrun passes the node's token with "
                 "consul.token_file, and to the job only with pass_consul_token: true")

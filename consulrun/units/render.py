@@ -14,7 +14,7 @@ from pathlib import Path
 import jinja2
 
 from consulrun.errors import OutputError, UsageError
-from consulrun.manifest import unitescape, unitsettings
+from consulrun.manifest import hardening, unitescape, unitsettings
 from consulrun.manifest.durations import format_duration
 from consulrun.manifest.loader import Job, LockSettings, Manifest, TimerSettings
 from consulrun.protocol.fencing import stop_timeout_ms
@@ -146,10 +146,19 @@ def reap_argv(manifest: Manifest, job: Job, consulrun_path: str) -> list[str]:
     """`ExecStopPost=`: after a run that did not end cleanly, free a dead wrapper's lock at once.
 
     A shell tests systemd's $SERVICE_RESULT first, so a clean run (or a skip)
-    costs a shell, not a Python start-up.
+    costs a shell, not a Python start-up. Where reap runs as root to read the
+    token file (`hardening.reap_as_root`), it gets only the agent's settings
+    for an environment: the job's (LD_PRELOAD, PYTHONPATH, an environment
+    file's) must not reach a root process.
     """
-    return ["/bin/sh", "-c", 'test "$SERVICE_RESULT" = success || exec "$@"', "sh", consulrun_path, "reap",
-            "--prefix", manifest.kv_prefix, "--concurrency", str(job.lock.concurrency), job.name]
+    command = [consulrun_path]
+    token: list[str] = []
+    if manifest.consul.token_file and hardening.reap_as_root(manifest, job):
+        command = ["/usr/bin/env", "-i", "PATH=/usr/sbin:/usr/bin:/sbin:/bin",
+                   *(f"{name}={value}" for name, value in _consul_environment(manifest)), consulrun_path]
+        token = ["--token-file", manifest.consul.token_file]
+    return ["/bin/sh", "-c", 'test "$SERVICE_RESULT" = success || exec "$@"', "sh", *command, "reap",
+            "--prefix", manifest.kv_prefix, "--concurrency", str(job.lock.concurrency), *token, job.name]
 
 
 def _consul_environment(manifest: Manifest) -> list[tuple[str, str]]:
@@ -183,6 +192,8 @@ def render(manifest: Manifest, consulrun_path: str, templates: Path | None = Non
                        "stop_timeout_ms": stop_timeout_ms(job.lock.lock_delay_ms),
                        "start_timeout_ms": start_timeout_ms(job),
                        "reap_argv": reap_argv(manifest, job, consulrun_path),
+                       "hardening_settings": hardening.service_lines(manifest, job, consulrun_path),
+                       "reap_prefix": "-!" if hardening.reap_as_root(manifest, job) else "-",
                        "on_failure_name": on_failure_unit(manifest, job) if job.on_failure else None,
                        "on_failure_argv": on_failure_argv(manifest, job, consulrun_path)}
             units[service] = service_t.render(context)
