@@ -601,6 +601,10 @@ class Client:
 
 
 ACL_FILTERED_HEADER = "X-Consul-Results-Filtered-By-ACLs"
+# The environment variables that carry a Consul credential (the consul CLI's names: an ACL token, a file holding
+# one, HTTP basic auth's user:password). consulrun keeps them from a job's environment and out of unit files.
+# Here, not in settings.py: `run` imports this module anyway, and dataclasses would cost its skip path.
+CREDENTIAL_VARIABLES = frozenset({"CONSUL_HTTP_TOKEN", "CONSUL_HTTP_TOKEN_FILE", "CONSUL_HTTP_AUTH"})
 
 
 def _acl_filtered(headers: dict[str, str]) -> bool:

@@ -24,7 +24,8 @@ import jsonschema
 import yaml
 
 from consulrun.consul.address import AddressError, parse_address
-from consulrun.consul.settings import CREDENTIAL_VARIABLES, ConsulSettings
+from consulrun.consul.client import CREDENTIAL_VARIABLES
+from consulrun.consul.settings import ConsulSettings
 from consulrun.errors import ManifestError, os_reason
 from consulrun.manifest import hardening, shellsyntax, unitescape, unitsettings
 from consulrun.manifest.durations import (

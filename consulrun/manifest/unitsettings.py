@@ -16,7 +16,7 @@ import re
 from importlib import resources
 from typing import Any
 
-from consulrun.consul.settings import CREDENTIAL_VARIABLES
+from consulrun.consul.client import CREDENTIAL_VARIABLES
 from consulrun.manifest import unitescape
 
 _KNOWN: dict[str, Any] = json.loads(resources.files("consulrun.manifest").joinpath("systemd_settings.json").read_text())

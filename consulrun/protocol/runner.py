@@ -30,8 +30,7 @@ import time
 from datetime import datetime, timezone
 from types import FrameType
 
-from consulrun.consul.client import Client, ConsulConfig
-from consulrun.consul.settings import CREDENTIAL_VARIABLES
+from consulrun.consul.client import CREDENTIAL_VARIABLES, Client, ConsulConfig
 from consulrun.consul.values import printable
 from consulrun.errors import ConsulrunError, ConsulUnavailable, ExitCode, JobNotStarted, UsageError
 from consulrun.protocol import testhook
@@ -203,9 +202,10 @@ def _wait_readable(fds: list[int], timeout_s: float) -> None:
 
 def _job_environment(held: Held, spec: LockSpec, claim: dict[str, object] | None,
                      pass_consul_token: bool = False) -> dict[str, str]:
-    """The wrapper's environment, less its Consul credentials (`CREDENTIAL_VARIABLES`): with them any job would hold the node's KV and
-    session write rights (a job that needs them says `pass_consul_token: true`). The credential file itself stays
-    in $CREDENTIALS_DIRECTORY, readable by the unit's user: docs/commands/run.md says so."""
+    """The wrapper's environment, less its Consul credentials (`CREDENTIAL_VARIABLES`): with them any job would
+    hold the node's KV and session write rights (a job that needs them says `pass_consul_token: true`). The
+    credential file itself stays in $CREDENTIALS_DIRECTORY, readable by the unit's user: docs/commands/run.md
+    says so."""
     env = dict(os.environ)
     for name in ("CONSULRUN_TEST_PAUSE", "CONSULRUN_TEST_HOOK_DIR", "CONSULRUN_TEST_FAIL",
                  *(() if pass_consul_token else CREDENTIAL_VARIABLES)):
