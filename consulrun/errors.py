@@ -73,7 +73,8 @@ class ManifestError(UsageError):
 
 class ConsulUnavailable(ConsulrunError):
     """Consul could not serve a request. `transient`: the servers answered that they cannot yet
-    (no leader, an RPC error, a 5xx), which a leader election causes and which is worth retrying."""
+    (no leader, an RPC error, a 5xx), which a leader election causes, or nothing listens at the agent's
+    address yet (an agent still starting, as at boot): worth retrying for a bounded time."""
 
     exit_code = ExitCode.CONSUL_UNAVAILABLE
 

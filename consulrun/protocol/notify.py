@@ -20,6 +20,8 @@ import subprocess
 import threading
 import time
 
+from consulrun.timefmt import duration
+
 TYPE_CHECKING = False  # typing's own flag without importing typing on every run
 if TYPE_CHECKING:
     from typing import Any
@@ -80,8 +82,8 @@ class Pings:
         thread.join(max(0.0, give_up - time.monotonic()))
         if thread.is_alive():
             sending = self._sending
-            log.warning("%s: ping %s failed: no answer within %.0fs; not waiting longer", self.job,
-                        _redacted(sending) if sending else "(queued)", self.timeout_s)
+            log.warning("%s: ping %s failed: no answer within %s; not waiting longer", self.job,
+                        _redacted(sending) if sending else "(queued)", duration(self.timeout_s))
 
     def _send(self, suffix: str) -> None:
         if not self.url:

@@ -40,6 +40,7 @@ from consulrun.protocol import pause, testhook, turns
 from consulrun.protocol.lock import Held, LockDelayRetry, Locker, clock, describe_holder, now_iso
 from consulrun.protocol.trigger import fresh as trigger_fresh, read_request
 from consulrun.records import record
+from consulrun.timefmt import duration
 
 TYPE_CHECKING = False  # typing's own flag without importing typing on every run
 if TYPE_CHECKING:
@@ -347,7 +348,7 @@ def _turn(locker: Locker, ledger: Ledger, occ: Occurrence) -> float:
     if wait <= 0:
         return 0.0
     locker.say_waiting("rank", f"occurrence {occ.id} is unclaimed and this node is ranked {place + 1} of "
-                               f"{len(order)} for it; leaving it to the nodes before it for up to {wait:g}s")
+                               f"{len(order)} for it; leaving it to the nodes before it for up to {duration(wait)}")
     return wait
 
 
@@ -426,7 +427,7 @@ def _step(locker: Locker, ledger: Ledger, occ: Occurrence, policy: str, deadline
         locker.abandon()  # a session must not outlive its TTL unrenewed while we wait
         what = (f"occurrence {occ.id} runs on {printable(record.get('node'))}" if state == "running"
                 else f"the previous run holds the lock: {describe_holder(snap.lock or {})}")
-        locker.say_waiting("standby", f"{what}; standing by for up to {remaining:.0f}s (on_holder_loss={policy})")
+        locker.say_waiting("standby", f"{what}; standing by for up to {duration(remaining)} (on_holder_loss={policy})")
         locker.client.kv_get(ledger.lock_key, index=int((snap.lock or {}).get("ModifyIndex", 0)),
                              wait_s=min(remaining, 300))
     else:  # lock-delay after an invalidation, or a lost race: look again when it should be over

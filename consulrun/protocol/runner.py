@@ -33,6 +33,7 @@ from consulrun.errors import ConsulrunError, ConsulUnavailable, ExitCode, JobNot
 from consulrun.protocol import testhook
 from consulrun.protocol.lock import Fencing, Held, Interrupted, Locker, LockSpec, Watcher, clock, now_iso as _now
 from consulrun.records import record
+from consulrun.timefmt import duration
 
 TYPE_CHECKING = False  # typing's own flag without importing typing on every run
 if TYPE_CHECKING:  # a skipping run imports none of these (issue: lean hot path)
@@ -44,7 +45,9 @@ if TYPE_CHECKING:  # a skipping run imports none of these (issue: lean hot path)
 log = logging.getLogger("consulrun")
 
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
-START_RETRY_S = 120.0  # how long a transient "no leader" / 5xx at start is retried before exit 69
+# How long Consul not being ready at start is retried before exit 69: an election ("no leader", a 5xx), or an
+# agent still starting (nothing listening yet, its node not yet in the catalog), as at boot.
+START_RETRY_S = 120.0
 
 
 @record
@@ -164,11 +167,11 @@ def _supervise(job: Job, watcher: Watcher, fencing: Fencing, signals: _Signals, 
         reason = watcher.lost_reason
         deadline = watcher.last_confirmed + fencing.fence_after_s
         if reason is None and now >= deadline:
-            reason = (f"lock not confirmed for {now - watcher.last_confirmed:.1f}s; another node may acquire it "
-                      f"{fencing.kill_by_s + 1:.0f}s after the last confirmation")
+            reason = (f"lock not confirmed for {duration(now - watcher.last_confirmed)}; another node may acquire "
+                      f"it {duration(fencing.kill_by_s + 1)} after the last confirmation")
         if reason:
             grace = watcher.last_confirmed + fencing.kill_by_s - now
-            how = f"SIGTERM, SIGKILL after {grace:.1f}s" if grace > 0 else "SIGKILL at once: no time is left for a grace period"
+            how = f"SIGTERM, SIGKILL after {duration(grace)}" if grace > 0 else "SIGKILL at once: no time is left for a grace period"
             log.error("%s: lock lost: %s; killing the job's processes (%s)", name, reason, how)
             job.kill_all(min(fencing.grace_s, grace), now=clock)
             return ExitCode.LOCK_LOST, reason
@@ -273,9 +276,10 @@ def _acquire_with_retries(request: RunRequest, locker: Locker) -> tuple[Held | N
         except ConsulUnavailable as exc:
             if not exc.transient or clock() + backoff > give_up:
                 raise
-            if backoff == 0.25:
-                log.warning("%s: Consul cannot serve requests yet (%s); retrying for up to %.0fs", spec.job, exc,
-                            give_up - clock())
+            if backoff == 0.25:  # one line: what is waited for, and how long at most
+                log.warning("%s: Consul is not ready (%s); retrying for up to %s, as an agent still starting or "
+                            "servers electing a leader answer so (exit 69 if it is not ready by then)", spec.job, exc,
+                            duration(give_up - clock()))
             locker.abandon()
             time.sleep(backoff)
             backoff = min(backoff * 2, 4.0)
@@ -381,7 +385,7 @@ def _confirm_before_start(locker: Locker, held: Held, watcher: Watcher, fencing:
     while True:
         sent = clock()
         if sent >= deadline:
-            raise NotConfirmed(f"no confirmation within {fencing.fence_after_s:.1f}s of the acquisition")
+            raise NotConfirmed(f"no confirmation within {duration(fencing.fence_after_s)} of the acquisition")
         try:
             _, entry = locker.client.kv_get(held.key, consistent=True)
             break
@@ -394,7 +398,7 @@ def _confirm_before_start(locker: Locker, held: Held, watcher: Watcher, fencing:
     if not entry or entry.get("Session") != held.session:
         raise NotConfirmed("the key is no longer held by this node's session")
     if clock() - sent > fencing.fence_after_s:
-        raise NotConfirmed(f"the confirmation took {clock() - sent:.1f}s, past the fencing deadline")
+        raise NotConfirmed(f"the confirmation took {duration(clock() - sent)}, past the fencing deadline")
     watcher.last_confirmed = sent
 
 
@@ -457,8 +461,8 @@ def _close(locker: Locker, held: Held, ledger: occurrence.Ledger | None, claim: 
                             "will free it", job, held.key, exc)
                 break
             if backoff == 0.25:
-                log.warning("%s: Consul cannot record the result yet (%s); retrying for up to %.0fs", job, exc,
-                            give_up - clock())
+                log.warning("%s: Consul cannot record the result yet (%s); retrying for up to %s", job, exc,
+                            duration(give_up - clock()))
             time.sleep(backoff)
             # At most a second apart: once the agent is back, the result must land before a standby's takeover,
             # which lock-delay holds back only so long.
