@@ -1280,3 +1280,32 @@ def _stopped_after(proc: subprocess.Popen[str], seconds: float) -> tuple[int, st
     except subprocess.TimeoutExpired:
         proc.send_signal(signal.SIGTERM)
     return finish(proc)
+
+
+def test_an_agent_still_starting_at_start_is_waited_for_then_runs(consul: Agent, tmp_path: Path) -> None:
+    """At boot the wrapper may meet its agent before it listens (connection refused), then before the servers have
+    its node in the catalog (`Missing node registration` on session create): both are an agent still starting,
+    retried within the start budget with one line saying what for and how long at most, then the job runs."""
+    import socket
+
+    from tests.harness.faultproxy import FaultProxy
+
+    with socket.socket() as probe:  # a port nothing listens on, for the agent to come up at
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    ran = tmp_path / "ran"
+    proc = consulrun("run", "--schedule", YEARLY, "booting", "--", "touch", str(ran),
+                     env={"CONSUL_HTTP_ADDR": f"127.0.0.1:{port}"})
+    time.sleep(2)  # refused for a while: the wrapper must still be waiting, not gone with 69
+    assert proc.poll() is None
+    with FaultProxy(consul.http_addr, listen_port=port) as proxy:
+        unregistered = proxy.fail("PUT", "/v1/session/create", "refuse", times=2,
+                                  answer=b"rpc error making call: Missing node registration")
+        code, _, err = finish(proc, timeout=90)
+    assert code == 0 and ran.exists(), err
+    assert len(unregistered.hits) == 2, err
+    waits = [line for line in err.splitlines() if "retrying for up to" in line]
+    assert len(waits) == 1, err  # said once, not once per attempt
+    assert re.fullmatch(r"consulrun: booting: Consul is not ready \(.*connection refused\); retrying for up to "
+                        r"(2m|1m[0-9]+s), as an agent still starting or servers electing a leader answer so "
+                        r"\(exit 69 if it is not ready by then\)", waits[0]), waits
