@@ -121,7 +121,7 @@ def _redacted(url: str) -> str:
 # --- on_failure: what systemd's OnFailure= unit runs -------------------------------------------------------------
 
 JOURNAL_LINES = 20
-OCCURRENCE_RE = re.compile(r"for occurrence (\S+)")
+OCCURRENCE_ID = r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ"  # calendar.occurrence_id's form, and nothing after it
 
 
 def failure_facts(job: str, unit: str, env: dict[str, str] | None = None) -> dict[str, str]:
@@ -141,20 +141,28 @@ def failure_facts(job: str, unit: str, env: dict[str, str] | None = None) -> dic
         result = result or shown.get("Result", "")
         status = status or shown.get("ExecMainStatus", "")
     journal = _journal(invocation, unit)
-    found = OCCURRENCE_RE.findall(journal)
-    return {"CONSULRUN_JOB": job, "CONSULRUN_NODE": _node(job, journal, invocation), "CONSULRUN_UNIT": unit,
+    node, occurrence = acquired(job, journal)
+    if not node and invocation:  # the line is near the run's start, before the last lines shown
+        node, occurrence = acquired(job, _journal_head(invocation))
+    return {"CONSULRUN_JOB": job, "CONSULRUN_NODE": node or socket.gethostname(), "CONSULRUN_UNIT": unit,
             "CONSULRUN_RESULT": result, "CONSULRUN_EXIT_STATUS": status, "CONSULRUN_INVOCATION_ID": invocation,
-            "CONSULRUN_OCCURRENCE": found[-1] if found else "", "CONSULRUN_JOURNAL": journal}
+            "CONSULRUN_OCCURRENCE": occurrence, "CONSULRUN_JOURNAL": journal}
 
 
-def _node(job: str, journal: str, invocation: str) -> str:
-    """The Consul node name the run used, as its `acquired` line says (the rest of consulrun names nodes so; it
-    may differ from the host name); the host name if the run never acquired (it could not reach its agent)."""
-    pattern = re.compile(rf"^consulrun: {re.escape(job)}: acquired \S+ .*\(node (\S+), session ", re.M)
+def acquired(job: str, journal: str) -> tuple[str, str]:
+    """(Consul node name, occurrence) from the run's last `acquired` line; ("", "") if it never acquired.
+
+    The node is Consul's name for it (the rest of consulrun names nodes so; it may differ from the host name);
+    the occurrence is only what has the occurrence id's own form, so the prose around it (`..., taking over
+    from a dead runner,`) never becomes part of it; a manual run has none.
+    """
+    pattern = re.compile(rf"^consulrun: {re.escape(job)}: acquired \S+ (?:for occurrence ({OCCURRENCE_ID})(?=[ ,])"
+                         rf".*?)?.*\(node (\S+), session ", re.M)
     found = pattern.findall(journal)
-    if not found and invocation:  # the line is near the run's start, before the last lines shown
-        found = pattern.findall(_journal_head(invocation))
-    return found[-1] if found else socket.gethostname()
+    if not found:
+        return "", ""
+    occurrence, node = found[-1]
+    return node, occurrence
 
 
 def _journal_head(invocation: str, lines: int = 200) -> str:
