@@ -294,7 +294,7 @@ def _final(record: dict[str, Any], state: str, reason: str) -> dict[str, Any]:
 
 
 def acquire(locker: Locker, ledger: Ledger, occ: Occurrence, policy: str,
-            wait_s: float) -> tuple[Held | None, dict[str, Any] | None, str]:
+            wait_s: float, by_timer: bool = True) -> tuple[Held | None, dict[str, Any] | None, str]:
     """Claim `occ` for this node: (held lock, claim record, "") or (None, None, why this node skips).
 
     Reads decide every skip; writes happen only when the record shows the
@@ -303,11 +303,14 @@ def acquire(locker: Locker, ledger: Ledger, occ: Occurrence, policy: str,
     on blocking reads of the lock until the next occurrence is due, and takes
     the occurrence over if its runner's session dies before recording a result.
     The caller destroys the session on every path that returns no lock.
+    `by_timer`: the unit was started by its timer (systemd's TRIGGER_UNIT), not by `systemctl start` as
+    `consulrun trigger` starts it; only a run its timer started leaves a pending trigger for an unclaimed
+    occurrence.
     """
     deadline = clock() + wait_s
     if policy == "retry" and occ.next_when is not None:
         deadline = max(deadline, clock() + (occ.next_when - datetime.now(timezone.utc)).total_seconds())
-    look = {"consistent": False, "raced": False, "waiting": False, "first": True}
+    look = {"consistent": False, "raced": False, "waiting": False, "first": True, "by_timer": by_timer}
     retry = LockDelayRetry(locker.spec.lock_delay_ms)
     while True:
         try:
@@ -371,8 +374,11 @@ def _step(locker: Locker, ledger: Ledger, occ: Occurrence, policy: str, deadline
         if held:  # our own claim, whose answer went missing: it is ours to run
             return held, record, ""
     state = ledger.verdict(snap, occ)
-    # A manual run never takes the place of an occurrence this node should run or take over.
-    if first and snap.trigger and state in ("done", "later", "running") and trigger_fresh(snap.trigger) and \
+    # A manual run never takes the place of an occurrence this node should run or take over, but a run its
+    # timer did not start (`consulrun trigger` starts the unit itself) is the manual run, also when the latest
+    # occurrence is unclaimed: one that came before the job was installed, say, which its timer never fired.
+    manual_first = ("done", "later", "running") + (() if look["by_timer"] else ("free",))
+    if first and snap.trigger and state in manual_first and trigger_fresh(snap.trigger) and \
             snap.trigger.get("node") == locker.node_name():
         return _manual(locker, ledger, snap)
     if state == "later":

@@ -271,7 +271,10 @@ def _acquire_with_retries(request: RunRequest, locker: Locker) -> tuple[Held | N
                 raise UsageError("the schedule has no occurrence at or before now; nothing to run")
             ledger = occurrence.Ledger(locker.client, spec.base, request.history,
                                        health_prefix=spec.prefix if request.health_check else None)
-            held, claim, why = occurrence.acquire(locker, ledger, occ, request.on_holder_loss, spec.wait_ms / 1000)
+            # systemd names the unit that started this one (a path or timer unit); `systemctl start` names none.
+            by_timer = os.environ.get("TRIGGER_UNIT", "").endswith(".timer")
+            held, claim, why = occurrence.acquire(locker, ledger, occ, request.on_holder_loss, spec.wait_ms / 1000,
+                                                  by_timer=by_timer)
             return held, ledger, claim, why
         except ConsulUnavailable as exc:
             if not exc.transient or clock() + backoff > give_up:
