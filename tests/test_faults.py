@@ -1282,30 +1282,34 @@ def _stopped_after(proc: subprocess.Popen[str], seconds: float) -> tuple[int, st
     return finish(proc)
 
 
-def test_an_agent_still_starting_at_start_is_waited_for_then_runs(consul: Agent, tmp_path: Path) -> None:
-    """At boot the wrapper may meet its agent before it listens (connection refused), then before the servers have
-    its node in the catalog (`Missing node registration` on session create): both are an agent still starting,
-    retried within the start budget with one line saying what for and how long at most, then the job runs."""
-    import socket
-
+def test_an_agent_whose_node_is_not_registered_yet_is_waited_for_then_runs(consul: Agent, tmp_path: Path) -> None:
+    """An agent that has just started (at boot) is in the cluster before the servers have its node in the catalog:
+    session create answers `Missing node registration`. That is retried within the start budget, with one line
+    saying what for and how long at most, and the job runs."""
     from tests.harness.faultproxy import FaultProxy
 
-    with socket.socket() as probe:  # a port nothing listens on, for the agent to come up at
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
     ran = tmp_path / "ran"
-    proc = consulrun("run", "--schedule", YEARLY, "booting", "--", "touch", str(ran),
-                     env={"CONSUL_HTTP_ADDR": f"127.0.0.1:{port}"})
-    time.sleep(2)  # refused for a while: the wrapper must still be waiting, not gone with 69
-    assert proc.poll() is None
-    with FaultProxy(consul.http_addr, listen_port=port) as proxy:
-        unregistered = proxy.fail("PUT", "/v1/session/create", "refuse", times=2,
+    with FaultProxy(consul.http_addr) as proxy:
+        unregistered = proxy.fail("PUT", "/v1/session/create", "refuse", times=3,
                                   answer=b"rpc error making call: Missing node registration")
-        code, _, err = finish(proc, timeout=90)
+        code, _, err = finish(consulrun("run", "--schedule", YEARLY, "booting", "--", "touch", str(ran),
+                                        env={"CONSUL_HTTP_ADDR": proxy.address}), timeout=90)
     assert code == 0 and ran.exists(), err
-    assert len(unregistered.hits) == 2, err
+    assert len(unregistered.hits) == 3, err
     waits = [line for line in err.splitlines() if "retrying for up to" in line]
     assert len(waits) == 1, err  # said once, not once per attempt
-    assert re.fullmatch(r"consulrun: booting: Consul is not ready \(.*connection refused\); retrying for up to "
-                        r"(2m|1m[0-9]+s), as an agent still starting or servers electing a leader answer so "
+    assert re.fullmatch(r"consulrun: booting: Consul is not ready \(.*Missing node registration\); retrying for up "
+                        r"to (2m|1m[0-9]+s), as an agent still starting or servers electing a leader answer so "
                         r"\(exit 69 if it is not ready by then\)", waits[0]), waits
+
+
+def test_nothing_listening_long_after_boot_is_an_outage_at_once(tmp_path: Path) -> None:
+    """Refused at the agent's address on a system up for longer than BOOTING_S: the agent is down, not starting
+    (the cold boot, where it is starting, is tests/test_coldboot.py): exit 69 at once, one line."""
+    from consulrun.protocol.procinfo import system_age
+    from consulrun.protocol.runner import BOOTING_S
+
+    assert (system_age() or 0) > BOOTING_S, "this host booted too recently for this test"
+    code, _, err = finish(consulrun("run", "--schedule", YEARLY, "downagent", "--", "true",
+                                    env={"CONSUL_HTTP_ADDR": "127.0.0.1:9"}), timeout=30)
+    assert code == 69 and err.count("\n") == 1 and "connection refused" in err, err

@@ -217,7 +217,7 @@ def translated(what: str) -> Iterator[None]:
         if isinstance(exc, TimeoutError):
             raise ConsulUnavailable(f"{what}: Consul agent did not answer in time") from None
         raise ConsulUnavailable(f"{what}: Consul agent not reachable: {_reason(exc)}",
-                                transient=_not_listening(exc)) from None
+                                not_listening=_not_listening(exc)) from None
     except ConsulAnswer as exc:
         if exc.code == 403:
             raise PermissionDenied(f"{what}: Consul ACL denied it: {_short(ValueError(exc.body))}") from None
@@ -244,9 +244,9 @@ _ELECTION_SIGNS = ("No cluster leader", "leadership lost", "not leader", "rpc er
 
 
 def _not_listening(exc: OSError) -> bool:
-    """Whether nothing listens at the agent's address yet (refused; a unix socket not created): what an agent
-    still starting answers, as at boot, worth retrying for a while like an election. A timeout, a TLS failure
-    or an unreachable host is not: something answers there, or nothing ever will soon."""
+    """Whether nothing listens at the agent's address (refused; a unix socket not created): what an agent still
+    starting answers, and one that is down; the caller judges which (at start: whether the system has just
+    booted). A timeout, a TLS failure or an unreachable host is neither."""
     return exc.errno in (errno.ECONNREFUSED, errno.ENOENT)
 
 

@@ -48,6 +48,9 @@ FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 # How long Consul not being ready at start is retried before exit 69: an election ("no leader", a 5xx), or an
 # agent still starting (nothing listening yet, its node not yet in the catalog), as at boot.
 START_RETRY_S = 120.0
+# Nothing listening at the agent's address is an agent still starting only this soon after the system (its PID 1)
+# started: a Persistent=true catch-up at boot. Later it is an agent that is down: exit 69 at once.
+BOOTING_S = 600.0
 
 
 @record
@@ -222,6 +225,21 @@ def _start_retry_budget(request: RunRequest) -> float:
     return max(0.0, min(START_RETRY_S, (occ.next_when - datetime.now(timezone.utc)).total_seconds() / 2))
 
 
+def _not_ready_yet(exc: ConsulUnavailable) -> str:
+    """Why `exc` at start may be Consul not ready yet rather than an outage ('' if it is an outage): servers
+    electing a leader or an agent that has just started (its node not yet registered) answer so, and nothing
+    listens yet at the address of an agent still starting, which it can be only while the system boots."""
+    if exc.transient:
+        return "an agent still starting or servers electing a leader answer so"
+    if exc.not_listening:
+        from consulrun.protocol.procinfo import system_age
+
+        age = system_age()
+        if age is not None and age < BOOTING_S:
+            return f"the system booted {duration(age)} ago and its agent may still be starting"
+    return ""
+
+
 def run(request: RunRequest, config: ConsulConfig) -> int:
     """Run the job on this node if the lock is ours; return the process exit status."""
     spec = request.spec
@@ -277,12 +295,12 @@ def _acquire_with_retries(request: RunRequest, locker: Locker) -> tuple[Held | N
                                                   by_timer=by_timer)
             return held, ledger, claim, why
         except ConsulUnavailable as exc:
-            if not exc.transient or clock() + backoff > give_up:
+            why = _not_ready_yet(exc)
+            if not why or clock() + backoff > give_up:
                 raise
             if backoff == 0.25:  # one line: what is waited for, and how long at most
-                log.warning("%s: Consul is not ready (%s); retrying for up to %s, as an agent still starting or "
-                            "servers electing a leader answer so (exit 69 if it is not ready by then)", spec.job, exc,
-                            duration(give_up - clock()))
+                log.warning("%s: Consul is not ready (%s); retrying for up to %s, as %s (exit 69 if it is not "
+                            "ready by then)", spec.job, exc, duration(give_up - clock()), why)
             locker.abandon()
             time.sleep(backoff)
             backoff = min(backoff * 2, 4.0)

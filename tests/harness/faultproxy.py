@@ -30,9 +30,7 @@ class Rule:
 
 
 class FaultProxy:
-    def __init__(self, upstream: str, listen_port: int = 0) -> None:
-        """`listen_port` 0 takes a free one; a given port lets a test point a client at the address before the proxy
-        exists there (an agent that is not listening yet)."""
+    def __init__(self, upstream: str) -> None:
         host, port = upstream.rsplit(":", 1)
         self.rules: list[Rule] = []
         self._lock = threading.Lock()
@@ -74,7 +72,7 @@ class FaultProxy:
 
             do_GET = do_PUT = do_POST = do_DELETE = _handle
 
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", listen_port), Handler)
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.server.daemon_threads = True
         self.address = f"127.0.0.1:{self.server.server_address[1]}"
         self._thread = threading.Thread(target=self.server.serve_forever, daemon=True)
