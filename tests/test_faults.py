@@ -797,7 +797,7 @@ def test_an_acquisition_refused_in_an_election_is_retried_not_taken_for_a_lost_r
                                         env={"CONSUL_HTTP_ADDR": proxy.address}))
     assert code == 0, err
     assert len(refused.hits) == 2 and ran.exists()
-    assert "Consul cannot serve requests yet" in err and "skipped" not in err and "Traceback" not in err, err
+    assert "Consul is not ready (" in err and "skipped" not in err and "Traceback" not in err, err
     if how:
         assert kv_json(consul, f"consulrun/{job}/occurrence")["state"] == "done"
     assert sessions(consul) == []
@@ -930,7 +930,7 @@ def test_sigterm_after_a_retried_start_still_ends_the_wait_at_once(consul: Agent
         code, _, err = finish(waiter, timeout=10)
     assert len(refused.hits) == 1
     assert code == 128 + signal.SIGTERM, err
-    assert "Consul cannot serve requests yet" in err and "SIGTERM while waiting" in err, err
+    assert "Consul is not ready (" in err and "SIGTERM while waiting" in err, err
     consul.api("PUT", f"session/destroy/{other['session']}")
     assert sessions(consul) == []
 
