@@ -51,8 +51,11 @@ WantedBy=multi-user.target
 #  unordered: a unit of another name (the manifest does not name it), Type=exec, slow to start (waiting for its
 #             network or configuration): nothing orders the jobs after it, so their catch-up meets an agent that
 #             does not listen yet, then one without a leader or without its node registered.
+#  named:     that unit slow to start, Type=notify, named in the manifest (consul.agent_unit): the jobs' units
+#             want it and wait for it, so their catch-up never meets an agent that does not listen.
 AGENTS = {"packaged": ("consul.service", "notify", ""),
-          "unordered": ("consul-agent.service", "exec", "ExecStartPre=/bin/sleep 5\n")}
+          "unordered": ("consul-agent.service", "exec", "ExecStartPre=/bin/sleep 5\n"),
+          "named": ("consul-agent.service", "notify", "ExecStartPre=/bin/sleep 5\n")}
 
 
 def _agent_unit(ctr: Container, consul: str, index: int, network: Network, how: str) -> None:
@@ -130,7 +133,8 @@ def test_cold_boot_of_every_node_runs_the_missed_occurrence_once(cluster, consul
     occurrence = due.strftime("%Y-%m-%dT%H:%M:%SZ")
     job = {"command": ["sh", "-c", "echo $CONSULRUN_OCCURRENCE $(hostname) >> /shared/runs"],
            "schedule": due.strftime("*-*-* %H:%M:%S UTC"), "timer": {"persistent": True}}
-    text = manifest({"nightly": job})
+    how = request.node.callspec.params["cluster"]
+    text = manifest({"nightly": job}, **({"consul": {"agent_unit": AGENTS[how][0]}} if how == "named" else {}))
     for ctr in nodes:
         result = install(ctr, text)
         assert result.returncode == 0, result.stderr
@@ -158,11 +162,13 @@ def test_cold_boot_of_every_node_runs_the_missed_occurrence_once(cluster, consul
             (dest / f"{ctr.name}.journal").write_text(journal.stdout + journal.stderr)
         (dest / "runs.txt").write_text("\n".join(" ".join(r) for r in runs()))
     assert [occ for occ, _ in runs()] == [occurrence], runs()  # exactly once, on one node
-    if request.node.callspec.params["cluster"] == "unordered":  # its wrappers met an agent not listening yet
-        journals = [(artifact_dir(request.node) / f"{ctr.name}.journal").read_text() for ctr in nodes]
-        said = [line for text in journals for line in text.splitlines() if "retrying for up to" in line]
+    journals = [(artifact_dir(request.node) / f"{ctr.name}.journal").read_text() for ctr in nodes]
+    said = [line for text in journals for line in text.splitlines() if "retrying for up to" in line]
+    if how == "unordered":  # its wrappers met an agent not listening yet
         assert said and all("connection refused); retrying for up to " in line and ", as the system booted " in line
                             for line in said), said
+    else:  # ordered after an agent that says when it is ready: never refused
+        assert not any("connection refused" in line for line in said), said
     for ctr in nodes:  # no node failed its catch-up (a 69 would have notified)
         result = ctr.systemctl("show", unit, "-p", "Result", check=False).stdout.strip()
         assert result == "Result=success", (ctr.name, result)
