@@ -73,13 +73,16 @@ class ManifestError(UsageError):
 
 class ConsulUnavailable(ConsulrunError):
     """Consul could not serve a request. `transient`: the servers answered that they cannot yet
-    (no leader, an RPC error, a 5xx), which a leader election causes and which is worth retrying."""
+    (no leader, an RPC error, a 5xx, a node not yet registered), which a leader election or an agent that has
+    just started causes, and which is worth retrying. `not_listening`: nothing listens at the agent's address
+    (refused, no socket): an agent still starting if the system has just booted, else an agent that is down."""
 
     exit_code = ExitCode.CONSUL_UNAVAILABLE
 
-    def __init__(self, message: str, transient: bool = False) -> None:
+    def __init__(self, message: str, transient: bool = False, not_listening: bool = False) -> None:
         super().__init__(message)
         self.transient = transient
+        self.not_listening = not_listening
 
 
 class ConsulProtocolError(ConsulrunError):

@@ -39,6 +39,28 @@ def span(seconds: float) -> str:
     return f"{seconds / 86400:.0f}d"
 
 
+def duration(seconds: float) -> str:
+    """A duration for a log line, written as Consul and systemd write them: `942ms`, `5.3s`, `15s`, `1m30s`, `2h`.
+
+    Every log line that says how long something waits or took goes through this, so none prints `0.94226s`:
+    milliseconds below a second, a tenth of a second below ten, whole seconds above.
+    """
+    seconds = max(0.0, seconds)
+    if seconds < 1:
+        ms = round(seconds * 1000)
+        return f"{ms}ms" if 0 < ms < 1000 else ("0s" if ms == 0 else "1s")
+    if seconds < 10:
+        tenths = round(seconds * 10)
+        return f"{tenths // 10}s" if tenths % 10 == 0 else f"{tenths / 10:.1f}s"
+    left = round(seconds)
+    out = []
+    for unit, size in (("h", 3600), ("m", 60), ("s", 1)):
+        count, left = divmod(left, size)
+        if count:
+            out.append(f"{count}{unit}")
+    return "".join(out)
+
+
 def relative(when: datetime, now: datetime) -> str:
     delta = (when - now).total_seconds()
     if abs(delta) < 1:

@@ -71,3 +71,22 @@ def test_an_out_of_range_duration_written_with_M_says_M_is_months(tmp_path: Path
     result = CliRunner().invoke(main, ["validate", str(manifest)])
     assert result.exit_code == 2
     assert "jobs.a.timeout: '500M' is out of range: at most 8784h; `M` is months, `m` minutes" in result.stderr
+
+
+# Durations in log lines (timefmt.duration): seconds as a float -> what a line prints. Each one also reads back,
+# through systemd-analyze below, as the same span to within the rounding the form allows.
+LOG_CASES = {0: "0s", 0.0004: "0s", 0.94226: "942ms", 0.9996: "1s", 1: "1s", 5.34: "5.3s", 9.96: "10s", 10: "10s",
+             15.4: "15s", 59.6: "1m", 90: "1m30s", 3600: "1h", 7322.5: "2h2m2s", -3: "0s"}
+
+
+@pytest.mark.parametrize("seconds", sorted(LOG_CASES))
+def test_log_line_durations_are_written_as_systemd_writes_them(seconds: float) -> None:
+    from consulrun.timefmt import duration
+
+    text = duration(seconds)
+    assert text == LOG_CASES[seconds]
+    require_tool("systemd-analyze")
+    out = subprocess.run(["systemd-analyze", "timespan", text], capture_output=True, text=True)
+    assert out.returncode == 0 and out.stderr == "", out.stderr
+    micros = int(re.search(r"μs: (\d+)", out.stdout).group(1))
+    assert abs(micros / 1e6 - max(0.0, seconds)) <= max(0.0005, 0.05 * max(0.0, seconds), 0.5 if seconds >= 10 else 0)

@@ -195,7 +195,8 @@ def test_schedule_validation_agrees_with_systemd(spec: str, tmp_path: Path) -> N
 FULL = {
     "unit_prefix": "ops", "kv_prefix": "ops/cron",
     "consul": {"address": "https://consul.internal:8501", "token_file": "/etc/t", "ca_file": "/etc/ca.pem",
-               "cert_file": "/etc/c.pem", "key_file": "/etc/k.pem", "tls_server_name": "server.dc1.consul"},
+               "cert_file": "/etc/c.pem", "key_file": "/etc/k.pem", "tls_server_name": "server.dc1.consul",
+               "agent_unit": "consul.service"},
     "defaults": {"lock": {"ttl": "20s", "lock_delay": "10s", "wait": "0s", "concurrency": 1, "skip_exit_code": 0,
                           "checks": ["mem-ok"]},
                  "timer": {"accuracy": "5s", "randomized_delay": "1s", "persistent": True},
@@ -218,7 +219,9 @@ OUT_OF_RANGE = {"ttl": ["9s", 86401, "2x"], "lock_delay": ["4s", "61s", 0, "1 se
                 "address": ["h:0", "h:99999", ":abc", "::1", "ftp://h"], "user": ["1root", "a b"],
                 "on_holder_loss": ["maybe"], "command": ["", [], "'unclosed"], "schedule": [[], "", "Mars 25:00"],
                 "description": ["x" * 600, "two\nlines"], "working_directory": ["srv", "/a\x01"],
-                "tls_server_name": ["a b"], "checks": [[""], ["a b"]],
+                "tls_server_name": ["a b"],
+                "agent_unit": ["consul", "consul@.service", "a b.service", "consul.service\nExecStart=/x", "%i.service"],
+                "checks": [[""], ["a b"]],
                 "on_failure": ["", [], "'unclosed", ["a\x00"]], "ping_url": ["ftp://x/y", "https://x/y?z=1", "a b", ""]}
 WRONG_TYPES = [True, None, 1.5, {"k": "v"}, [{}], "text", 7, ["text"]]
 

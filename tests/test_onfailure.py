@@ -36,9 +36,13 @@ def _install_jobs(ctr: Container) -> None:
         "fenced": {"command": ["sh", "-c", "touch /shared/fenced-started; exec sleep 600"]},
         "skipper": {"command": ["true"], "lock": {"skip_exit_code": SKIP}},
         "fine": {"command": ["true"], "on_failure": ["sh", "-c", "touch /shared/fine-notified"]},
+        "takeover": {"command": ["sh", "-c", "exit 3"], "on_holder_loss": "retry"},
+        # Every 4 s: a run that cannot reach Consul retries for at most half that (2 s) before exiting 69.
+        "outage": {"command": ["true"], "schedule": "*:*:0/4",
+                   "on_failure": ["sh", "-c", "echo $CONSULRUN_EXIT_STATUS >> /shared/outage-told"]},
     }
     for job in jobs.values():
-        job["schedule"] = "*-*-* 00:00:00"  # today's midnight is the occurrence; the timer never fires in the test
+        job.setdefault("schedule", "*-*-* 00:00:00")  # today's midnight is the occurrence; the timer never fires in the test
     text = manifest(jobs, defaults={"lock": {"ttl": "10s", "lock_delay": "5s"}, "timer": {"accuracy": "1s"},
                                     "on_failure": ["/usr/bin/python3", "-c", RECORD]})
     result = install(ctr, text, "--no-start")
@@ -93,3 +97,70 @@ def test_success_and_skip_never_notify(node: Container) -> None:
         assert node.systemctl("show", "-P", "InvocationID", f"consulrun-onfailure@{job}.service").stdout.strip() == ""
     assert not (node.shared / "fine-notified").exists()
     assert not (node.shared / "failed-skipper").exists()
+
+
+def test_a_takeover_that_fails_names_its_occurrence_exactly(node: Container, consul_bin: str) -> None:
+    """The takeover's `acquired` line goes on after the occurrence (`..., taking over from a dead runner,`); the
+    handler is given the occurrence alone, never with the prose's comma."""
+    from datetime import datetime, timezone
+
+    from consulrun.manifest import calendar
+
+    occurrence = calendar.occurrence_id(calendar.previous(["*-*-* 00:00:00"], datetime.now(timezone.utc)))
+    lost = {"occurrence": occurrence, "state": "lost", "node": "elsewhere", "attempt": 1, "reason": "fenced"}
+    node.exec(consul_bin, "kv", "put", "consulrun/takeover/occurrence", json.dumps(lost))
+    assert node.systemctl("start", "consulrun-takeover.service", check=False).returncode != 0
+    facts = notified(node, "takeover")
+    assert "taking over from a dead runner" in facts["CONSULRUN_JOURNAL"], facts["CONSULRUN_JOURNAL"]
+    assert facts["CONSULRUN_OCCURRENCE"] == occurrence, facts["CONSULRUN_OCCURRENCE"]
+    assert (facts["CONSULRUN_RESULT"], facts["CONSULRUN_EXIT_STATUS"]) == ("exit-code", "3")
+
+
+def _agent_down(node: Container, down: bool) -> None:
+    """The outage job's agent address: a port nothing listens on (its agent down), or the agent again."""
+    dropin = node.unit_dir / "consulrun-outage.service.d"
+    if down:
+        dropin.mkdir(exist_ok=True)
+        (dropin / "agent-down.conf").write_text("[Service]\nEnvironment=CONSUL_HTTP_ADDR=127.0.0.1:1\n")
+    else:
+        (dropin / "agent-down.conf").unlink()
+    node.systemctl("daemon-reload")
+
+
+def _handled(node: Container, count: int) -> None:
+    """Wait until the outage job's OnFailure= handler has ended `count` times (told or kept quiet)."""
+    def ends() -> int:
+        out = node.exec("journalctl", "--no-pager", "-q", "-o", "cat", "-u", "consulrun-onfailure@outage.service",
+                        check=False).stdout
+        return sum(1 for line in out.splitlines() if "running the on_failure command" in line
+                   or "not running the on_failure command again" in line)
+
+    wait_for(lambda: ends() >= count and node.systemctl("is-active", "consulrun-onfailure@outage.service",
+                                                        check=False).stdout.strip() != "active", 60,
+             f"{count} ends of the outage handler")
+
+
+def test_an_outage_is_told_once_not_once_per_run(node: Container) -> None:
+    """Three runs while the agent is down: one notification. A run that reaches Consul ends the outage; the next
+    69 starts another, told again."""
+    told = node.shared / "outage-told"
+    told.unlink(missing_ok=True)
+    _agent_down(node, True)
+    try:
+        for count in (1, 2, 3):
+            assert node.systemctl("start", "consulrun-outage.service", check=False).returncode != 0
+            assert node.systemctl("show", "-P", "ExecMainStatus", "consulrun-outage.service").stdout.strip() == "69"
+            _handled(node, count)
+        assert told.read_text().split() == ["69"], told.read_text()
+        quiet = node.exec("journalctl", "--no-pager", "-q", "-o", "cat", "-u", "consulrun-onfailure@outage.service",
+                          check=False).stdout
+        assert quiet.count("outage: Consul is still unavailable (exit status 69), as told at ") == 2, quiet
+        _agent_down(node, False)
+        assert node.systemctl("start", "consulrun-outage.service").returncode == 0  # reaches Consul: outage over
+        _agent_down(node, True)
+        assert node.systemctl("start", "consulrun-outage.service", check=False).returncode != 0
+        _handled(node, 4)
+        assert told.read_text().split() == ["69", "69"], told.read_text()
+    finally:
+        if (node.unit_dir / "consulrun-outage.service.d" / "agent-down.conf").exists():
+            _agent_down(node, False)

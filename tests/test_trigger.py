@@ -167,6 +167,35 @@ def test_trigger_runs_once_through_the_unit_beside_its_timer(systemd_container, 
         stop_agent_in(ctr, consul_bin, agent)
 
 
+@pytest.mark.systemd
+def test_trigger_right_after_install_runs_a_manual_run(systemd_container, consul_bin: str, tmp_path: Path) -> None:
+    """A daily job just installed: its latest occurrence came before the install and was never run. The unit
+    `trigger` starts (no timer started it) runs the manual run asked for, not that occurrence; trigger exits 0."""
+    from tests.test_install import CONSULRUN, manifest, start_agent
+
+    ctr = systemd_container
+    agent = start_agent(ctr, consul_bin, "freshnode", ["-dev", "-client", "127.0.0.1", "-bind", "127.0.0.1"],
+                        tmp_path / "consul.log")
+    log = ctr.shared / "fresh-log"
+    try:
+        job = {"command": ["sh", "-c", "echo ${CONSULRUN_MANUAL:-occurrence-$CONSULRUN_OCCURRENCE} >> /shared/fresh-log"],
+               "schedule": "*-*-* 00:00:00 UTC"}
+        (ctr.shared / "fresh.yaml").write_text(manifest({"freshjob": job}))
+        ctr.exec(CONSULRUN, "install", "/shared/fresh.yaml")
+        result = ctr.exec(CONSULRUN, "trigger", "/shared/fresh.yaml", "freshjob", check=False, timeout=120)
+        assert result.returncode == 0, result.stdout + result.stderr
+        assert "freshjob: manual run on freshnode" in result.stdout and "exit status 0" in result.stdout
+        runs = log.read_text().split()
+        assert len(runs) == 1 and runs[0].startswith("root@"), runs  # one run, the manual one (CONSULRUN_MANUAL)
+        exported = json.loads(ctr.exec(consul_bin, "kv", "export", "consulrun/freshjob/").stdout)
+        keys = {e["key"] for e in exported}
+        assert "consulrun/freshjob/occurrence" not in keys, keys  # the never-run occurrence is left alone
+        assert [k for k in keys if k.endswith("~manual")], keys
+    finally:
+        ctr.systemctl("stop", "consulrun-freshjob.timer", "consulrun-freshjob.service", check=False)
+        stop_agent_in(ctr, consul_bin, agent)
+
+
 # --- three booted nodes: timers on all three, one trigger -------------------------------------------------
 
 

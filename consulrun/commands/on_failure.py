@@ -27,9 +27,11 @@ def on_failure(job: str, command: tuple[str, ...], unit: str, skip_exit_code: in
     (systemd's: exit-code, timeout, signal...), CONSULRUN_EXIT_STATUS,
     CONSULRUN_OCCURRENCE, CONSULRUN_INVOCATION_ID and CONSULRUN_JOURNAL (the
     run's last journal lines, also on its standard input). Its exit status is
-    passed through.
+    passed through. A run that exited 69 (Consul unavailable) is told once per
+    outage: until a run of the job reaches Consul again, COMMAND is not run.
     """
     from consulrun.protocol.notify import failure_facts, is_skip, run_on_failure, stopped_before_running
+    from consulrun.protocol.outage import already_told, quiet_line, told_line
 
     if command and command[0] == "--":
         command = command[1:]
@@ -45,8 +47,10 @@ def on_failure(job: str, command: tuple[str, ...], unit: str, skip_exit_code: in
                                             "job; this node did not run it, so nothing is reported", job, unit,
                                             facts["CONSULRUN_RESULT"] or "result unknown")
         return
-    logging.getLogger("consulrun").info("%s: %s (%s, exit status %s, occurrence %s); running the on_failure command",
-                                        job, unit, facts["CONSULRUN_RESULT"] or "result unknown",
-                                        facts["CONSULRUN_EXIT_STATUS"] or "unknown",
-                                        facts["CONSULRUN_OCCURRENCE"] or "-")
+    status = facts["CONSULRUN_EXIT_STATUS"]
+    if facts["CONSULRUN_RESULT"] == "exit-code" and (since := already_told(job, unit, status)):
+        logging.getLogger("consulrun").info("%s", quiet_line(job, since))  # one notification per outage
+        return
+    logging.getLogger("consulrun").info("%s", told_line(job, unit, facts["CONSULRUN_RESULT"], status,
+                                                        facts["CONSULRUN_OCCURRENCE"]))
     sys.exit(run_on_failure(list(command), facts))

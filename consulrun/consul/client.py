@@ -16,6 +16,7 @@ error translation every method shares would be imported by each piece anyway.
 from __future__ import annotations
 
 import base64
+import errno
 import json
 import logging
 import os
@@ -215,7 +216,8 @@ def translated(what: str) -> Iterator[None]:
             raise ConsulUnavailable(f"{what}: TLS failure talking to Consul: {_short(exc)}") from None
         if isinstance(exc, TimeoutError):
             raise ConsulUnavailable(f"{what}: Consul agent did not answer in time") from None
-        raise ConsulUnavailable(f"{what}: Consul agent not reachable: {_reason(exc)}") from None
+        raise ConsulUnavailable(f"{what}: Consul agent not reachable: {_reason(exc)}",
+                                not_listening=_not_listening(exc)) from None
     except ConsulAnswer as exc:
         if exc.code == 403:
             raise PermissionDenied(f"{what}: Consul ACL denied it: {_short(ValueError(exc.body))}") from None
@@ -232,12 +234,20 @@ def translated(what: str) -> Iterator[None]:
 
 # What servers answer while they elect a leader or a new leader catches up, and what a client agent answers
 # while it has lost every server (a one-server cluster restarting: "No known Consul servers" until serf sees
-# one again); worth retrying for a while. Anything else (a bound check in critical state, an unknown
-# session) is an answer, not an outage.
+# one again), and what an agent that has just started answers until the servers have its node in the catalog
+# ("Missing node registration": a session needs the node's registration); worth retrying for a while. Anything
+# else (a bound check in critical state, an unknown session) is an answer, not an outage.
 _ELECTION_SIGNS = ("No cluster leader", "leadership lost", "not leader", "rpc error getting client",
                    "failed to get conn", "connection refused", "i/o timeout", "EOF", "raft is already shutdown",
                    "Missing check 'serfHealth' registration", "Raft leader not found", "context deadline exceeded",
-                   "No known Consul servers")
+                   "No known Consul servers", "Missing node registration")
+
+
+def _not_listening(exc: OSError) -> bool:
+    """Whether nothing listens at the agent's address (refused; a unix socket not created): what an agent still
+    starting answers, and one that is down; the caller judges which (at start: whether the system has just
+    booted). A timeout, a TLS failure or an unreachable host is neither."""
+    return exc.errno in (errno.ECONNREFUSED, errno.ENOENT)
 
 
 def _election(text: str) -> bool:

@@ -13,3 +13,4 @@ class ConsulSettings:
     cert_file: str | None = None
     key_file: str | None = None
     tls_server_name: str | None = None
+    agent_unit: str = "consul.service"  # the agent's systemd unit, which every job's service is ordered after

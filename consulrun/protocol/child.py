@@ -22,6 +22,7 @@ import time
 from collections.abc import Callable, Iterator
 
 from consulrun.errors import JobNotStarted
+from consulrun.timefmt import duration
 
 _PR_SET_PDEATHSIG = 1
 _PR_SET_CHILD_SUBREAPER = 36
@@ -179,6 +180,6 @@ class Job:
         while self.alive():
             if now() > unkillable_by:  # a process in uninterruptible sleep, or one we may not signal
                 seen = ", ".join(map(str, self.processes())) or "that /proc does not show (hidepid?)"
-                raise JobUnkillable(f"process(es) {seen} of the job survive SIGKILL after {KILL_TIMEOUT_S:.0f}s")
+                raise JobUnkillable(f"process(es) {seen} of the job survive SIGKILL after {duration(KILL_TIMEOUT_S)}")
             self.signal(signal.SIGKILL)
             time.sleep(0.01)

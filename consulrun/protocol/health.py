@@ -26,7 +26,7 @@ the runner wrote is exactly what the watchdog would write.
 
 from __future__ import annotations
 
-from consulrun.timefmt import seconds_between
+from consulrun.timefmt import duration, seconds_between
 
 TYPE_CHECKING = False  # typing's own flag without importing typing on every run
 if TYPE_CHECKING:
@@ -80,8 +80,8 @@ def summary(record: dict[str, Any] | None) -> tuple[str, str]:
         return PASSING, f"{run} is running on {node} since {record.get('started')}"
     code = record.get("exit_status")
     took = seconds_between(record.get("started"), record.get("ended"))
-    duration = f" after {took:.1f}s" if took is not None else ""
-    output = f"{run} ran on {node}: exit status {code}{duration} (ended {record.get('ended')})"
+    after = f" after {duration(took)}" if took is not None else ""
+    output = f"{run} ran on {node}: exit status {code}{after} (ended {record.get('ended')})"
     return (PASSING if code == 0 else CRITICAL), output
 
 

@@ -39,6 +39,7 @@ from consulrun.protocol.procinfo import (
     time_namespace,
 )
 from consulrun.records import record
+from consulrun.timefmt import duration
 
 TYPE_CHECKING = False  # typing's own flag without importing typing on every run
 if TYPE_CHECKING:
@@ -436,14 +437,14 @@ class Locker:
                 return None, reason
             if full:
                 self.abandon()
-                self.say_waiting("held", f"waiting up to {deadline - clock():.0f}s for the lock, held by "
+                self.say_waiting("held", f"waiting up to {duration(deadline - clock())} for the lock, held by "
                                          f"{'; '.join(holders)}")
                 testhook.pause("waiting")
             else:  # refused while free: lock-delay after an invalidation, or a lost race
                 testhook.pause("lock-delay-wait")
                 pause = min(retry.next_wait(), max(0.0, deadline - clock()))
                 self.say_waiting("delay", f"the lock is free but refused (lock-delay after an invalidation, or a "
-                                          f"lost race); trying again in {pause:.0f}s", every_s=10)
+                                          f"lost race); trying again in {duration(pause)}", every_s=10)
                 self.sleep(pause)
                 index = None
 
@@ -560,8 +561,8 @@ class Watcher(threading.Thread):
                 now = clock()
                 if failing_since is None or now - last_warned >= 5:
                     left = self.last_confirmed + self.fencing.fence_after_s - now
-                    log.warning("%s: cannot confirm the lock: %s; the job is stopped in %.0fs unless Consul answers",
-                                self.spec.job, exc, max(0.0, left))
+                    log.warning("%s: cannot confirm the lock: %s; the job is stopped in %s unless Consul answers",
+                                self.spec.job, exc, duration(left))
                     failing_since = failing_since or now
                     last_warned = now
                 self._stop_event.wait(0.2)

@@ -20,6 +20,8 @@ import subprocess
 import threading
 import time
 
+from consulrun.timefmt import duration
+
 TYPE_CHECKING = False  # typing's own flag without importing typing on every run
 if TYPE_CHECKING:
     from typing import Any
@@ -83,8 +85,8 @@ class Pings:
         thread.join(max(0.0, give_up - time.monotonic()))
         if thread.is_alive():
             sending = self._sending
-            log.warning("%s: ping %s failed: no answer within %.0fs; not waiting longer", self.job,
-                        _redacted(sending) if sending else "(queued)", self.timeout_s)
+            log.warning("%s: ping %s failed: no answer within %s; not waiting longer", self.job,
+                        _redacted(sending) if sending else "(queued)", duration(self.timeout_s))
 
     def _send(self, suffix: str) -> None:
         if not self.url:
@@ -122,7 +124,7 @@ def _redacted(url: str) -> str:
 # --- on_failure: what systemd's OnFailure= unit runs -------------------------------------------------------------
 
 JOURNAL_LINES = 20
-OCCURRENCE_RE = re.compile(r"for occurrence (\S+)")
+OCCURRENCE_ID = r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ"  # calendar.occurrence_id's form, and nothing after it
 
 
 def failure_facts(job: str, unit: str, env: dict[str, str] | None = None) -> dict[str, str]:
@@ -142,13 +144,14 @@ def failure_facts(job: str, unit: str, env: dict[str, str] | None = None) -> dic
         result = result or shown.get("Result", "")
         status = status or shown.get("ExecMainStatus", "")
     journal = _journal(invocation, unit)
-    found = OCCURRENCE_RE.findall(journal)
-    node = _acquired_node(job, journal, invocation)
+    node, occurrence = acquired(job, journal)
+    if not node and invocation:  # the line is near the run's start, before the last lines shown
+        node, occurrence = acquired(job, _journal_head(invocation))
     if result == "exit-code" and re.search(rf"^consulrun: {re.escape(job)}: {TIMED_OUT_LINE}", journal, re.M):
         result = "timeout"  # the wrapper's own timeout (run --timeout) stopped the job, as TimeoutStartSec= did
     return {"CONSULRUN_JOB": job, "CONSULRUN_NODE": node or socket.gethostname(), "CONSULRUN_UNIT": unit,
             "CONSULRUN_RESULT": result, "CONSULRUN_EXIT_STATUS": status, "CONSULRUN_INVOCATION_ID": invocation,
-            "CONSULRUN_OCCURRENCE": found[-1] if found else "", "CONSULRUN_JOURNAL": journal,
+            "CONSULRUN_OCCURRENCE": occurrence, "CONSULRUN_JOURNAL": journal,
             "_ran": "1" if node else ""}  # not for the command: see run_on_failure
 
 
@@ -156,15 +159,20 @@ TIMED_OUT_LINE = "the job exceeded its timeout"  # stops.JobTimeout's line
 STOPPED_WAITING_LINE = "while waiting for the lock; not running"  # runner.run's line for a stop before the lock
 
 
-def _acquired_node(job: str, journal: str, invocation: str) -> str | None:
-    """The Consul node name the run used, as its `acquired` line says (the rest of consulrun names nodes so; it
-    may differ from the host name); None if the run never acquired (it could not reach its agent, it was stopped
-    while standing by)."""
-    pattern = re.compile(rf"^consulrun: {re.escape(job)}: acquired \S+ .*\(node (\S+), session ", re.M)
+def acquired(job: str, journal: str) -> tuple[str, str]:
+    """(Consul node name, occurrence) from the run's last `acquired` line; ("", "") if it never acquired.
+
+    The node is Consul's name for it (the rest of consulrun names nodes so; it may differ from the host name);
+    the occurrence is only what has the occurrence id's own form, so the prose around it (`..., taking over
+    from a dead runner,`) never becomes part of it; a manual run has none.
+    """
+    pattern = re.compile(rf"^consulrun: {re.escape(job)}: acquired \S+ (?:for occurrence ({OCCURRENCE_ID})(?=[ ,])"
+                         rf".*?)?.*\(node (\S+), session ", re.M)
     found = pattern.findall(journal)
-    if not found and invocation:  # the line is near the run's start, before the last lines shown
-        found = pattern.findall(_journal_head(invocation))
-    return found[-1] if found else None
+    if not found:
+        return "", ""
+    occurrence, node = found[-1]
+    return node, occurrence
 
 
 def stopped_before_running(facts: dict[str, str]) -> bool:

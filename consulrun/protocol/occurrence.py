@@ -40,6 +40,7 @@ from consulrun.protocol import pause, testhook, turns
 from consulrun.protocol.lock import Held, LockDelayRetry, Locker, clock, describe_holder, now_iso
 from consulrun.protocol.trigger import fresh as trigger_fresh, read_request
 from consulrun.records import record
+from consulrun.timefmt import duration
 
 TYPE_CHECKING = False  # typing's own flag without importing typing on every run
 if TYPE_CHECKING:
@@ -296,7 +297,7 @@ def _final(record: dict[str, Any], state: str, reason: str) -> dict[str, Any]:
 
 
 def acquire(locker: Locker, ledger: Ledger, occ: Occurrence, policy: str,
-            wait_s: float) -> tuple[Held | None, dict[str, Any] | None, str]:
+            wait_s: float, by_timer: bool = True) -> tuple[Held | None, dict[str, Any] | None, str]:
     """Claim `occ` for this node: (held lock, claim record, "") or (None, None, why this node skips).
 
     Reads decide every skip; writes happen only when the record shows the
@@ -305,11 +306,14 @@ def acquire(locker: Locker, ledger: Ledger, occ: Occurrence, policy: str,
     on blocking reads of the lock until the next occurrence is due, and takes
     the occurrence over if its runner's session dies before recording a result.
     The caller destroys the session on every path that returns no lock.
+    `by_timer`: the unit was started by its timer (systemd's TRIGGER_UNIT), not by `systemctl start` as
+    `consulrun trigger` starts it; only a run its timer started leaves a pending trigger for an unclaimed
+    occurrence.
     """
     deadline = clock() + wait_s
     if policy == "retry" and occ.next_when is not None:
         deadline = max(deadline, clock() + (occ.next_when - datetime.now(timezone.utc)).total_seconds())
-    look = {"consistent": False, "raced": False, "waiting": False, "first": True}
+    look = {"consistent": False, "raced": False, "waiting": False, "first": True, "by_timer": by_timer}
     retry = LockDelayRetry(locker.spec.lock_delay_ms)
     while True:
         try:
@@ -350,7 +354,7 @@ def _turn(locker: Locker, ledger: Ledger, occ: Occurrence) -> float:
     if wait <= 0:
         return 0.0
     locker.say_waiting("rank", f"occurrence {occ.id} is unclaimed and this node is ranked {place + 1} of "
-                               f"{len(order)} for it; leaving it to the nodes before it for up to {wait:g}s")
+                               f"{len(order)} for it; leaving it to the nodes before it for up to {duration(wait)}")
     return wait
 
 
@@ -373,8 +377,11 @@ def _step(locker: Locker, ledger: Ledger, occ: Occurrence, policy: str, deadline
         if held:  # our own claim, whose answer went missing: it is ours to run
             return held, record, ""
     state = ledger.verdict(snap, occ)
-    # A manual run never takes the place of an occurrence this node should run or take over.
-    if first and snap.trigger and state in ("done", "later", "running") and trigger_fresh(snap.trigger) and \
+    # A manual run never takes the place of an occurrence this node should run or take over, but a run its
+    # timer did not start (`consulrun trigger` starts the unit itself) is the manual run, also when the latest
+    # occurrence is unclaimed: one that came before the job was installed, say, which its timer never fired.
+    manual_first = ("done", "later", "running") + (() if look["by_timer"] else ("free",))
+    if first and snap.trigger and state in manual_first and trigger_fresh(snap.trigger) and \
             snap.trigger.get("node") == locker.node_name():
         return _manual(locker, ledger, snap)
     if state == "later":
@@ -429,7 +436,7 @@ def _step(locker: Locker, ledger: Ledger, occ: Occurrence, policy: str, deadline
         locker.abandon()  # a session must not outlive its TTL unrenewed while we wait
         what = (f"occurrence {occ.id} runs on {printable(record.get('node'))}" if state == "running"
                 else f"the previous run holds the lock: {describe_holder(snap.lock or {})}")
-        locker.say_waiting("standby", f"{what}; standing by for up to {remaining:.0f}s (on_holder_loss={policy})")
+        locker.say_waiting("standby", f"{what}; standing by for up to {duration(remaining)} (on_holder_loss={policy})")
         locker.client.kv_get(ledger.lock_key, index=int((snap.lock or {}).get("ModifyIndex", 0)),
                              wait_s=min(remaining, 300))
     else:  # lock-delay after an invalidation, or a lost race: look again when it should be over

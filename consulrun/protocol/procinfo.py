@@ -74,6 +74,20 @@ def process_start(pid: int) -> int | None:
     return stat[1]
 
 
+def system_age() -> float | None:
+    """Seconds since this system's init (PID 1 of our PID namespace) started: since the boot of the machine, or of
+    the container we run in; None if that cannot be read (a /proc mounted with hidepid)."""
+    start = process_start(1)
+    if start is None:
+        return None
+    try:
+        with open("/proc/uptime", encoding="ascii") as handle:
+            uptime = float(handle.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    return max(0.0, uptime - start / os.sysconf("SC_CLK_TCK"))
+
+
 def provably_dead(holder: dict[str, Any], local_node: str | None, session: dict[str, Any] | None) -> str | None:
     """Why the holder's wrapper is certainly dead, or None if that cannot be proven from here.
 

@@ -38,6 +38,7 @@ from consulrun.protocol.fencing import FINISH_RETRY_S, START_RETRY_S, stop_timeo
 from consulrun.protocol.lock import Fencing, Held, Interrupted, Locker, LockSpec, Watcher, clock, now_iso as _now
 from consulrun.protocol.stops import STOP_SIGNALS, JobTimeout
 from consulrun.records import record
+from consulrun.timefmt import duration
 
 TYPE_CHECKING = False  # typing's own flag without importing typing on every run
 if TYPE_CHECKING:  # a skipping run imports none of these (issue: lean hot path)
@@ -49,6 +50,9 @@ if TYPE_CHECKING:  # a skipping run imports none of these (issue: lean hot path)
 log = logging.getLogger("consulrun")
 
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+# Nothing listening at the agent's address is an agent still starting only this soon after the system (its PID 1)
+# started: a Persistent=true catch-up at boot. Later it is an agent that is down: exit 69 at once.
+BOOTING_S = 600.0
 
 
 @record
@@ -172,11 +176,11 @@ def _supervise(job: Job, watcher: Watcher, fencing: Fencing, signals: _Signals, 
         reason = watcher.lost_reason
         deadline = watcher.last_confirmed + fencing.fence_after_s
         if reason is None and now >= deadline:
-            reason = (f"lock not confirmed for {now - watcher.last_confirmed:.1f}s; another node may acquire it "
-                      f"{fencing.kill_by_s + 1:.0f}s after the last confirmation")
+            reason = (f"lock not confirmed for {duration(now - watcher.last_confirmed)}; another node may acquire "
+                      f"it {duration(fencing.kill_by_s + 1)} after the last confirmation")
         if reason:
             grace = watcher.last_confirmed + fencing.kill_by_s - now
-            how = f"SIGTERM, SIGKILL after {grace:.1f}s" if grace > 0 else "SIGKILL at once: no time is left for a grace period"
+            how = f"SIGTERM, SIGKILL after {duration(grace)}" if grace > 0 else "SIGKILL at once: no time is left for a grace period"
             log.error("%s: lock lost: %s; killing the job's processes (%s)", name, reason, how)
             job.kill_all(min(fencing.grace_s, grace), now=clock)
             return ExitCode.LOCK_LOST, reason
@@ -231,6 +235,21 @@ def _start_retry_budget(request: RunRequest) -> float:
     return max(0.0, min(START_RETRY_S, (occ.next_when - datetime.now(timezone.utc)).total_seconds() / 2))
 
 
+def _not_ready_yet(exc: ConsulUnavailable) -> str:
+    """Why `exc` at start may be Consul not ready yet rather than an outage ('' if it is an outage): servers
+    electing a leader or an agent that has just started (its node not yet registered) answer so, and nothing
+    listens yet at the address of an agent still starting, which it can be only while the system boots."""
+    if exc.transient:
+        return "an agent still starting or servers electing a leader answer so"
+    if exc.not_listening:
+        from consulrun.protocol.procinfo import system_age
+
+        age = system_age()
+        if age is not None and age < BOOTING_S:
+            return f"the system booted {duration(age)} ago and its agent may still be starting"
+    return ""
+
+
 def run(request: RunRequest, config: ConsulConfig) -> int:
     """Run the job on this node if the lock is ours; return the process exit status."""
     spec = request.spec
@@ -280,14 +299,18 @@ def _acquire_with_retries(request: RunRequest, locker: Locker) -> tuple[Held | N
                 raise UsageError("the schedule has no occurrence at or before now; nothing to run")
             ledger = occurrence.Ledger(locker.client, spec.base, request.history,
                                        health_prefix=spec.prefix if request.health_check else None)
-            held, claim, why = occurrence.acquire(locker, ledger, occ, request.on_holder_loss, spec.wait_ms / 1000)
+            # systemd names the unit that started this one (a path or timer unit); `systemctl start` names none.
+            by_timer = os.environ.get("TRIGGER_UNIT", "").endswith(".timer")
+            held, claim, why = occurrence.acquire(locker, ledger, occ, request.on_holder_loss, spec.wait_ms / 1000,
+                                                  by_timer=by_timer)
             return held, ledger, claim, why
         except ConsulUnavailable as exc:
-            if not exc.transient or clock() + backoff > give_up:
+            why = _not_ready_yet(exc)
+            if not why or clock() + backoff > give_up:
                 raise
-            if backoff == 0.25:
-                log.warning("%s: Consul cannot serve requests yet (%s); retrying for up to %.0fs", spec.job, exc,
-                            give_up - clock())
+            if backoff == 0.25:  # one line: what is waited for, and how long at most
+                log.warning("%s: Consul is not ready (%s); retrying for up to %s, as %s (exit 69 if it is not "
+                            "ready by then)", spec.job, exc, duration(give_up - clock()), why)
             locker.abandon()
             time.sleep(backoff)
             backoff = min(backoff * 2, 4.0)
@@ -411,7 +434,7 @@ def _confirm_before_start(locker: Locker, held: Held, watcher: Watcher, fencing:
     while True:
         sent = clock()
         if sent >= deadline:
-            raise NotConfirmed(f"no confirmation within {fencing.fence_after_s:.1f}s of the acquisition")
+            raise NotConfirmed(f"no confirmation within {duration(fencing.fence_after_s)} of the acquisition")
         try:
             _, entry = locker.client.kv_get(held.key, consistent=True)
             break
@@ -424,7 +447,7 @@ def _confirm_before_start(locker: Locker, held: Held, watcher: Watcher, fencing:
     if not entry or entry.get("Session") != held.session:
         raise NotConfirmed("the key is no longer held by this node's session")
     if clock() - sent > fencing.fence_after_s:
-        raise NotConfirmed(f"the confirmation took {clock() - sent:.1f}s, past the fencing deadline")
+        raise NotConfirmed(f"the confirmation took {duration(clock() - sent)}, past the fencing deadline")
     watcher.last_confirmed = sent
 
 
@@ -489,8 +512,8 @@ def _close(locker: Locker, held: Held, ledger: occurrence.Ledger | None, claim: 
                             "will free it", job, held.key, exc)
                 break
             if backoff == 0.25:
-                log.warning("%s: Consul cannot record the result yet (%s); retrying for up to %.0fs", job, exc,
-                            give_up - clock())
+                log.warning("%s: Consul cannot record the result yet (%s); retrying for up to %s", job, exc,
+                            duration(give_up - clock()))
             time.sleep(backoff)
             # At most a second apart: once the agent is back, the result must land before a standby's takeover,
             # which lock-delay holds back only so long.

@@ -50,16 +50,21 @@ class Container:
         for path in (upper / "dev", upper / "run", upper / "etc" / "systemd" / "system", work, self.merged,
                      self.shared):
             path.mkdir(parents=True, exist_ok=True)
-        for unit in MASKED:
-            (upper / "etc" / "systemd" / "system" / unit).symlink_to("/dev/null")
+        for unit in MASKED:  # a container booted again (a reboot, a cold boot) has its upper layer still
+            masked = upper / "etc" / "systemd" / "system" / unit
+            if not masked.is_symlink():
+                masked.symlink_to("/dev/null")
         (upper / "etc" / "hostname").write_text(f"{self.name}\n")
         subprocess.run(["mount", "-t", "overlay", "overlay", "-o",
                         f"lowerdir=/,upperdir={upper},workdir={work}", str(self.merged)], check=True)
 
     def start(self, timeout: float = 90) -> "Container":
+        """Boot, and return once systemd says it is up; again after `stop`, with what the node wrote before (its
+        upper layer is kept: a powered-off node boots with its own disk)."""
         if not shutil.which("systemd-nspawn"):
             raise RuntimeError("systemd-nspawn is missing (Debian package systemd-container)")
         self._prepare()
+        self.powering_off, self.pid1 = False, None
         cgroups = _cgroup_dirs(self.name)
         for path in cgroups:
             path.mkdir(exist_ok=True)
