@@ -15,7 +15,7 @@ from consulrun.manifest.durations import LOCK_DELAY_RANGE_MS
 from consulrun.records import record
 
 SAFETY_MARGIN_S = 1.0  # slack for scheduling and process teardown beyond the grace period
-START_RETRY_S = 120.0  # how long `run` retries Consul not being ready at start (an election, an agent starting) before exit 69
+START_RETRY_S = 120.0  # how long `run` retries Consul not yet ready at start (an election, an agent starting)
 FINISH_RETRY_S = 30.0  # how long `run` retries recording a finished run's result
 
 
