@@ -186,6 +186,12 @@ def test_a_manifest_does_not_choose_where_a_local_token_goes(tmp_path: Path) -> 
         assert code == 69, err
         wait_for(lambda: raw.received, 10, "the request to the operator's address")
         assert f"X-Consul-Token: {secret}".encode() in raw.received[0]
+    # The default address is where the token goes with no manifest at all: a manifest naming it (as the example
+    # does) chooses nothing, and `status MANIFEST` on a node works without --trust-manifest-consul.
+    manifest.write_text(f"consul:\n  address: http://127.0.0.1:8500\n  token_file: {stolen}\n"
+                        f'jobs:\n  j1: {{command: "true", schedule: daily}}\n')
+    code, _, err = finish(consulrun("status", str(manifest), env=plain))
+    assert code != 2 and "would receive the ACL token" not in err, err
 
 
 # --- Least privilege per role ------------------------------------------------------------------------------------

@@ -142,8 +142,8 @@ CONSUL_OPTIONS = [
 
 TRUST_MANIFEST_CONSUL = click.option(
     "--trust-manifest-consul", is_flag=True,
-    help="Send the ACL token to the address the manifest's consul: section names (refused otherwise: a manifest "
-         "does not choose where a local secret goes).")
+    help="Send the ACL token to the address the manifest's consul: section names (refused otherwise, unless it is "
+         "the default 127.0.0.1:8500: a manifest does not choose where a local secret goes).")
 
 
 def agent_options(func: Callable[..., Any]) -> Callable[..., Any]:

@@ -71,6 +71,9 @@ def _go_bool(env: dict[str, str], name: str) -> bool | None:
     return _GO_BOOLS[value]
 
 
+DEFAULT_PORT = 8500  # the agent's HTTP port, as the consul CLI assumes it
+
+
 @record
 class ConsulConfig:
     """Where and how to reach the local agent."""
@@ -658,7 +661,9 @@ def consul_config(kwargs: dict[str, Any], manifest_consul: "ConsulSettings | Non
         client_cert=kwargs.pop("client_cert"), client_key=kwargs.pop("client_key"),
         tls_server_name=kwargs.pop("tls_server_name"))
     config.endpoint(allow_unix=True)  # a bad address is a usage error now, before anything else happens
-    if address_by_manifest and not trusted and (config.token or config.token_file):
+    # The default address is where the token goes without any manifest: naming it chooses nothing.
+    chose = address_by_manifest and config.endpoint(allow_unix=True) != ("http", "127.0.0.1", DEFAULT_PORT)
+    if chose and not trusted and (config.token or config.token_file):
         source = (f"the file {config.token_file}" + (" the manifest names" if config.token_file ==
                                                      manifest.get("CONSUL_HTTP_TOKEN_FILE") else "")
                   if config.token_file else "CONSUL_HTTP_TOKEN")
