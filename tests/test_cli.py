@@ -344,3 +344,21 @@ def test_a_dry_run_uninstall_of_a_name_with_no_units_says_so(tmp_path: Path) -> 
     code, out, err = invoke("uninstall", "--name", "mine", "--root", str(tmp_path), "--dry-run")
     assert code == 0, err
     assert out.strip() == f"nothing to remove: no unit of manifest 'mine' in {tmp_path}/etc/systemd/system", out
+
+
+def test_install_asks_the_agent_the_units_will_call_not_this_shell_s(tmp_path: Path) -> None:
+    """A new user's CONSUL_HTTP_ADDR=127.0.0.1:18500 made install probe 18500 and stay silent, while the units
+    (which never see that variable) would call 127.0.0.1:8500."""
+    from consulrun.units.install import agent_warnings
+
+    silent = free_port()
+    shell = {"CONSUL_HTTP_ADDR": f"127.0.0.1:{silent}"}
+    with pytest.MonkeyPatch.context() as env:
+        for name, value in shell.items():
+            env.setenv(name, value)
+        warned = agent_warnings(f"127.0.0.1:{silent}")  # the manifest names it: the units call it too
+        assert warned == [f"no Consul agent answers at http://127.0.0.1:{silent} (connection refused); the units "
+                          "are installed anyway and their runs fail closed until it does"], warned
+        warned = agent_warnings(None)
+        assert warned[0] == (f"CONSUL_HTTP_ADDR=127.0.0.1:{silent} here does not reach the units: they call the "
+                             "agent at 127.0.0.1:8500 (set consul.address in the manifest to change that)"), warned

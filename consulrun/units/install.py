@@ -252,12 +252,19 @@ def check_consulrun(consulrun_path: str, root: Path | None, given: bool) -> None
 
 
 def agent_warnings(address: str | None) -> list[str]:
-    """Units may be installed before the agent runs, so a silent agent is worth a warning, not a failure."""
-    text = address or os.environ.get("CONSUL_HTTP_ADDR") or "127.0.0.1:8500"
+    """Units may be installed before the agent runs, so a silent agent is worth a warning, not a failure. The
+    address asked is the units' own (the manifest's consul.address, else the default), not this shell's
+    CONSUL_HTTP_ADDR, which the units never see."""
+    text = address or "127.0.0.1:8500"
+    warnings = []
+    shell = os.environ.get("CONSUL_HTTP_ADDR")
+    if shell and not address and shell.rstrip("/") not in (text, f"http://{text}"):
+        warnings.append(f"CONSUL_HTTP_ADDR={shell} here does not reach the units: they call the agent at {text} "
+                        "(set consul.address in the manifest to change that)")
     try:
-        where = parse_address(text, os.environ.get("CONSUL_HTTP_SSL", "").lower() in ("1", "true", "yes", "on"))
+        where = parse_address(text)
     except AddressError as exc:
-        return [f"Consul address {exc}; the units' runs will fail until it is corrected"]
+        return warnings + [f"Consul address {exc}; the units' runs will fail until it is corrected"]
     try:
         if where.socket_path:
             with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
@@ -267,7 +274,7 @@ def agent_warnings(address: str | None) -> list[str]:
             urllib.request.urlopen(f"{where.url}/v1/status/leader", timeout=2).read()
     except (OSError, urllib.error.URLError) as exc:
         reason = getattr(exc, "reason", exc)
-        return [f"no Consul agent answers at {where.url} "
-                f"({os_reason(reason) if isinstance(reason, OSError) else reason}); "
-                "the units are installed anyway and their runs fail closed until it does"]
-    return []
+        return warnings + [f"no Consul agent answers at {where.url} "
+                           f"({os_reason(reason) if isinstance(reason, OSError) else reason}); "
+                           "the units are installed anyway and their runs fail closed until it does"]
+    return warnings
