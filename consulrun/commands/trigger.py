@@ -51,9 +51,13 @@ def trigger(targets: tuple[str, ...], wait_ms: int, unit: str | None, host: str 
     if record is None:
         from consulrun.consul.values import printable
 
-        raise ConsulrunError(f"{job}: {unit} ran no manual run (systemctl start: {outcome.unit_status}"
-                             + (f", {printable(outcome.unit_output)}" if outcome.unit_output else "")
-                             + "); see journalctl -u " + unit)
+        said = "; ".join(line.strip() for line in outcome.unit_output.splitlines() if line.strip())
+        if outcome.unit_status and "Job for " not in said:  # systemd did not start it (no systemd, no such unit)
+            raise ConsulrunError(f"{job}: could not start {unit} (systemctl start exited {outcome.unit_status}"
+                                 + (f": {printable(said)}" if said else "") + "); no manual run happened")
+        # It ran, but for what this node had to run first (an occurrence), or it skipped.
+        raise ConsulrunError(f"{job}: {unit} ran, but not the manual run"
+                             + (f" ({printable(said)})" if said else "") + "; see journalctl -u " + unit)
     result = (f"exit status {record.get('exit_status')}" if record.get("state") == "done"
               else f"{record.get('state')}: {record.get('reason', '')}")
     from consulrun.consul.values import printable
