@@ -142,3 +142,15 @@ def test_a_run_recorded_without_its_node_prints_no_placeholder(consul: Agent) ->
     code, out, _ = cli("status", "nonode")
     assert code == 1 and "?" not in out, out
     assert "nonode: lost: the run started 2026-01-03T00:00:00Z was lost: fenced" in out, out
+
+
+def test_a_job_of_the_manifest_that_never_ran_has_an_empty_history(consul: Agent, tmp_path: Path) -> None:
+    """It blamed the job's name (exit 6, 'wrong job name or --prefix?') for a job the manifest has."""
+    manifest = tmp_path / "jobs.yaml"
+    manifest.write_text("jobs:\n  fresh: {command: ['true'], schedule: daily}\n")
+    code, out, err = cli("history", str(manifest), "fresh")
+    assert (code, out) == (0, "") and err == f"fresh: no runs yet (a job of {manifest} that has never run)\n", err
+    code, out, _ = cli("history", str(manifest), "fresh", "--json")
+    assert code == 0 and json.loads(out)["runs"] == []
+    code, _, err = cli("history", str(manifest), "fresch")  # a typo is still one
+    assert code == 6 and "did you mean 'fresh'" in err, err

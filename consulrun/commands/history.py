@@ -22,7 +22,8 @@ def history(targets: tuple[str, ...], prefix: str | None, as_json: bool, limit: 
     `--history` of `run`) occurrences, and the last run made without
     --schedule (marked manual). Occurrences skipped while the job was paused
     are listed too (from the kept pauses and the schedule). Exit 6 if JOB has
-    no state at all.
+    no state at all, unless it is a job of MANIFEST that has not run yet (an
+    empty history).
     """
     from datetime import datetime, timezone
 
@@ -38,7 +39,12 @@ def history(targets: tuple[str, ...], prefix: str | None, as_json: bool, limit: 
     try:
         rows = past.runs(client, kv_prefix, jobs[0], limit, schedules=schedules)
     except past.NoState as exc:
-        raise with_suggestion(exc, jobs, loaded, client, kv_prefix) from None
+        if not (loaded and any(job.name == jobs[0] for job in loaded.jobs)):
+            raise with_suggestion(exc, jobs, loaded, client, kv_prefix) from None
+        rows = []  # a job of the manifest that has not run yet: an empty history, as `status` says "never run"
+        if not as_json:
+            click.echo(f"{jobs[0]}: no runs yet (a job of {loaded.source} that has never run)", err=True)
+            return
     if as_json:
         click.echo(to_json({"prefix": kv_prefix, "job": jobs[0], "runs": rows}, compact=False))
         return
