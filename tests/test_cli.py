@@ -344,6 +344,9 @@ def test_a_dry_run_uninstall_of_a_name_with_no_units_says_so(tmp_path: Path) -> 
     code, out, err = invoke("uninstall", "--name", "mine", "--root", str(tmp_path), "--dry-run")
     assert code == 0, err
     assert out.strip() == f"nothing to remove: no unit of manifest 'mine' in {tmp_path}/etc/systemd/system", out
+    # Without --root neither: no `would run: systemctl daemon-reload` before "nothing to remove".
+    code, out, err = invoke("uninstall", "--name", "mine", "--unit-dir", str(tmp_path / "units"), "--dry-run")
+    assert (code, out) == (0, f"nothing to remove: no unit of manifest 'mine' in {tmp_path / 'units'}\n"), out
 
 
 def test_install_asks_the_agent_the_units_will_call_not_this_shell_s(tmp_path: Path) -> None:

@@ -56,8 +56,10 @@ class Plan:
         return sorted(n for n in names if n.endswith(".timer"))
 
     def actions(self, start: bool, offline: bool) -> list[list[str]]:
-        """The systemctl calls applying this plan makes, in order."""
+        """The systemctl calls applying this plan makes, in order (none for an empty plan: nothing is applied)."""
         calls: list[list[str]] = []
+        if self.empty:
+            return calls
         removed = self.timers("remove")
         if removed:
             calls.append(["disable", *([] if offline else ["--now"]), *removed])
