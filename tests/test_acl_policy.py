@@ -220,8 +220,8 @@ def test_the_role_policies_are_exactly_the_documented_ones(tmp_path: Path, healt
             + service
             + ("# the watchdog judges every holder: it reads sessions on every node (it cannot create or destroy "
                "them)\n" + _rule("session_prefix", "", "read") if health else "") + catalog)
-    operator = ("# consulrun: what an operator needs for status, unlock, pause, resume, trigger, history and the "
-                'exporter under "team/jobs/"\n' + _rule("key_prefix", "team/jobs/", "write")
+    operator = ("# consulrun: what an operator needs for status, history, logs, unlock, pause, resume, trigger, "
+                'forget and the exporter under "team/jobs/"\n' + _rule("key_prefix", "team/jobs/", "write")
                 + "# unlock destroys a holder's session on whichever node it is; status reads every holder's\n"
                 + _rule("session_prefix", "", "write") + "# a holder's checks; trigger names the node it runs on\n"
                 + _rule("node_prefix", "", "read") + _rule("agent_prefix", "", "read") + service + catalog)

@@ -18,7 +18,8 @@ from consulrun.errors import UsageError
               help="The policy of node NAME (its agent's node name): run, skip, take over, reap, and the watchdog "
                    "with health_checks; its sessions and its agent only.")
 @click.option("--operator", is_flag=True,
-              help="The policy of an operator: status, the exporter, history, unlock, pause, resume, trigger.")
+              help="The policy of an operator: status, the exporter, history, logs, unlock, pause, resume, trigger, "
+                   "forget.")
 def acl_policy(manifest: Path | None, prefix: str | None, node: str | None, operator: bool) -> None:
     """Print the Consul ACL policy (HCL) of a role: --node NAME or --operator.
 

@@ -57,8 +57,8 @@ def policy_hcl(kv_prefix: str, service_checks: bool, health_checks: bool = False
                  "# the members of the cluster (turns) and this node's checks",
                  _rule("node_prefix", "", "read")]
     elif role == "operator":
-        rules = [f'# consulrun: what an operator needs for status, unlock, pause, resume, trigger, history and the '
-                 f'exporter under "{prefix}"',
+        rules = [f'# consulrun: what an operator needs for status, history, logs, unlock, pause, resume, trigger, '
+                 f'forget and the exporter under "{prefix}"',
                  _rule("key_prefix", prefix, "write"),
                  "# unlock destroys a holder's session on whichever node it is; status reads every holder's",
                  _rule("session_prefix", "", "write"),
