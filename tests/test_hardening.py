@@ -129,6 +129,14 @@ def test_home_is_read_only_not_hidden_where_the_job_lives_there(path_text: str) 
     assert lines(service(job(), path="/home/ops/venv/bin/consulrun"), "ProtectHome") == ["read-only"]
 
 
+def test_no_private_tmp_where_consulrun_or_the_job_lives_under_tmp() -> None:
+    """A clean clone under /tmp (CI's) failed every hardened unit: `Failed to locate executable
+    /tmp/ci-a/.venv-test/bin/consulrun` (PrivateTmp= gives the unit an empty /tmp)."""
+    assert lines(service(job()), "PrivateTmp") == ["yes"]
+    assert lines(service(job(), path="/tmp/ci/.venv/bin/consulrun"), "PrivateTmp") == []
+    assert lines(service(job().replace("[/bin/true]", "[/var/tmp/tool]")), "PrivateTmp") == []
+
+
 @pytest.mark.parametrize("text, message", [
     (job().replace("strict", "tight"), "<stdin>:5:16: jobs.a.hardening: 'tight' must be none or strict"),
     ("defaults: {hardening: [strict]}\njobs: {a: {command: [x], schedule: daily}}\n",

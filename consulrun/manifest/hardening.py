@@ -37,7 +37,8 @@ What consulrun needs, and so what the preset keeps open:
   is the operator's notifier: mail, curl to anywhere);
 - /home, /root and /run/user read-only instead of hidden when consulrun (or the
   Python it runs in), the job's command or working directory, or the agent's
-  TLS files live there.
+  TLS files live there; and no PrivateTmp= when one of them is under /tmp or
+  /var/tmp (a checkout's venv there would not be found).
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ if TYPE_CHECKING:
     from consulrun.manifest.loader import Job, Manifest
 
 HOME_PATHS = ("/home/", "/root/", "/run/user/")
+TMP_PATHS = ("/tmp/", "/var/tmp/")
 # Settings whose lines systemd adds up (an empty value resets them): a job's lines extend the preset's.
 LIST_SETTINGS = frozenset({"SystemCallFilter", "RestrictAddressFamilies", "IPAddressAllow", "IPAddressDeny",
                            "CapabilityBoundingSet", "AmbientCapabilities"})
@@ -149,11 +151,22 @@ def _program_paths(path: str) -> list[str]:
     return found
 
 
-def _home_visible(manifest: Manifest, job: Job, consulrun_path: str) -> bool:
+def _needed_paths(manifest: Manifest, job: Job, consulrun_path: str) -> list[str]:
+    """What the unit must see: consulrun (and its Python), the job's command and folder, the agent's TLS files."""
     consul = manifest.consul
-    paths = [*_program_paths(consulrun_path), job.command[0] if job.command else "", job.working_directory or "",
-             consul.ca_file or "", consul.cert_file or "", consul.key_file or ""]
-    return any(p.startswith(HOME_PATHS) or p.rstrip("/") in ("/home", "/root") for p in paths)
+    return [*_program_paths(consulrun_path), job.command[0] if job.command else "", job.working_directory or "",
+            consul.ca_file or "", consul.cert_file or "", consul.key_file or ""]
+
+
+def _home_visible(manifest: Manifest, job: Job, consulrun_path: str) -> bool:
+    return any(p.startswith(HOME_PATHS) or p.rstrip("/") in ("/home", "/root")
+               for p in _needed_paths(manifest, job, consulrun_path))
+
+
+def _tmp_needed(manifest: Manifest, job: Job, consulrun_path: str) -> bool:
+    """PrivateTmp= gives the unit an empty /tmp and /var/tmp: a consulrun (a checkout's venv) or a job there
+    would not be found (systemd: `Failed to locate executable`), so the preset leaves the host's /tmp then."""
+    return any(p.startswith(TMP_PATHS) for p in _needed_paths(manifest, job, consulrun_path))
 
 
 # Settings that give a unit a mount namespace (systemd.exec(5)), and with it no credentials in ExecStopPost=.
@@ -183,6 +196,8 @@ def service_lines(manifest: Manifest, job: Job, consulrun_path: str) -> list[tup
     if job.hardening != "strict":
         return []
     lines = list(STRICT)
+    if _tmp_needed(manifest, job, consulrun_path):
+        lines.remove(("PrivateTmp", "yes"))
     lines.insert(1, ("ProtectHome", "read-only" if _home_visible(manifest, job, consulrun_path) else "yes"))
     _, allowed = _agent_host(manifest)
     if allowed:
