@@ -240,7 +240,9 @@ def _users_token_and_jobs(ctr: Container) -> None:
                   "command": ["sh", "-c", "touch /shared/plain-started; exec sleep 600"]},
         "tmp": {**{k: v for k, v in base.items() if k not in ("hardening", "service")},
                 "command": ["sh", "-c", "touch /shared/tmp-started; exec sleep 600"],
-                "service": {"PrivateTmp": True}},  # a mount namespace of the job's own, without the preset
+                # A mount namespace of the job's own, without the preset (not PrivateTmp=: a checkout under /tmp,
+                # as CI's clone may be, would vanish from the unit's view with it).
+                "service": {"PrivateDevices": True}},
     }
     result = install(ctr, manifest(jobs, consul={"token_file": "/etc/consulrun/token"}), "--no-start")
     assert result.returncode == 0, result.stderr
@@ -282,7 +284,7 @@ def journal_entries(node: Container, unit: str) -> list[dict]:
 def test_killed_wrapper_is_reaped_with_consulrun_tag_and_on_failure_runs(node: Container, name: str) -> None:
     """SIGKILL of the wrapper: ExecStopPost='s reap, in the same sandbox, frees the lock at once, its lines tagged
     consulrun (they were `sh`: systemd names a command's lines after its program), and on-failure still reports.
-    `plain` is the same job without the preset; `tmp` has only PrivateTmp=, whose mount namespace also keeps the
+    `plain` is the same job without the preset; `tmp` has only PrivateDevices=, whose mount namespace also keeps the
     credentials from ExecStopPost= (its reap got `permission denied` on the token)."""
     unit = f"consulrun-{name}.service"
     node.systemctl("start", "--no-block", unit)
