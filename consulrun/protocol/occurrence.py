@@ -18,8 +18,11 @@ can never overwrite a later attempt either.
 
 Record states: running, done (with exit status), lost (fenced, or the session
 destroyed), abandoned (the runner's session died before it recorded anything;
-written by the next node that sees it). Under `retry`, lost and abandoned
-occurrences are run again (attempt + 1); under `skip`, never.
+written by the next node that sees it), missed (lock-delay after an
+invalidation refused every claim until the next occurrence was due; written
+by a node that waited it out in vain). Under `retry`, lost and abandoned
+occurrences are run again (attempt + 1); under `skip`, never; a missed one is
+past its time everywhere.
 
 Why this module is long: claiming, taking over and recording an occurrence is one
 compare-and-set protocol over one record; its steps are read together to see what holds at each
@@ -36,7 +39,7 @@ from consulrun.consul.client import Client, decoded, kv_op
 from consulrun.consul.values import printable
 from consulrun.errors import ConsulrunError, ConsulUnavailable, MalformedValue, UsageError
 from consulrun.manifest import calendar
-from consulrun.protocol import pause, testhook, turns
+from consulrun.protocol import clockskew, pause, testhook, turns
 from consulrun.protocol.lock import Held, LockDelayRetry, Locker, clock, describe_holder, now_iso
 from consulrun.protocol.trigger import fresh as trigger_fresh, read_request
 from consulrun.records import record
@@ -154,7 +157,8 @@ class Ledger:
 
     def verdict(self, snap: Snapshot, occ: Occurrence) -> str:
         """'free' (nobody has it), 'done', 'running', 'dead' (running, but its runner lost the lock),
-        'failed' (recorded lost or abandoned), or 'later' (a newer occurrence is claimed).
+        'failed' (recorded lost or abandoned), 'missed' (recorded missed), or 'later' (a newer occurrence is
+        claimed).
 
         A record later than this node's next occurrence plus the allowed clock
         skew was claimed by no node whose clock agrees with ours: a forged
@@ -173,8 +177,8 @@ class Ledger:
                 raise MalformedValue(self.record_key, future_text(record["occurrence"], limit))
             return "later"
         state = record.get("state")
-        if state == "done":
-            return "done"
+        if state in ("done", "missed"):
+            return state
         if state in FAILED_STATES:
             return "failed"
         return "running" if snap.runner_alive() else "dead"
@@ -191,12 +195,25 @@ class Ledger:
                  "schedule": list(occ.specs), "zone": calendar.local_zone_name(),
                  "zone_offsets": calendar.zone_offsets(occ.when), "earlier": earlier}
         ops = [kv_op("cas", self.record_key, claim, Index=snap.record_index),
-               pause.unchanged_op(self.base, snap.pause_index)]
+               pause.unchanged_op(self.base, snap.pause_index), *self._close_earlier(occ, record)]
+        return ops, claim
+
+    def _close_earlier(self, occ: Occurrence, record: dict[str, Any]) -> list[dict[str, Any]]:
         if record.get("state") == "running" and record.get("occurrence", "") < occ.id:
             # Its runner died before recording a result: say so in the history rather than leave a gap.
-            ops.append(kv_op("set", self.history_prefix + record["occurrence"],
-                             _final(record, "abandoned", ABANDONED_REASON)))
-        return ops, claim
+            return [kv_op("set", self.history_prefix + record["occurrence"],
+                          _final(record, "abandoned", ABANDONED_REASON))]
+        return []
+
+    def missed_ops(self, occ: Occurrence, snap: Snapshot, node: str | None, reason: str) -> list[dict[str, Any]]:
+        """Record `occ` as missed (ran nowhere), valid only if the record is still at the index read: of the nodes
+        that waited for it in vain, one records it; a claim that landed meanwhile stands."""
+        missed = {"occurrence": occ.id, "state": "missed", "node": None, "recorded_by": node, "reason": reason,
+                  "ended": now_iso(), "schedule": list(occ.specs), "zone": calendar.local_zone_name(),
+                  "zone_offsets": calendar.zone_offsets(occ.when)}
+        return [kv_op("cas", self.record_key, missed, Index=snap.record_index),
+                kv_op("set", self.history_prefix + occ.id, missed), *self._close_earlier(occ, snap.record or {}),
+                *self.health_ops(missed)]
 
     def finish_ops(self, claim: dict[str, Any], outcome: dict[str, Any], claim_index: int) -> list[dict[str, Any]]:
         """Operations that record the run's result and its history entry, pruning the oldest entries.
@@ -304,9 +321,11 @@ def acquire(locker: Locker, ledger: Ledger, occ: Occurrence, policy: str,
     The caller destroys the session on every path that returns no lock.
     """
     deadline = clock() + wait_s
-    if policy == "retry" and occ.next_when is not None:
-        deadline = max(deadline, clock() + (occ.next_when - datetime.now(timezone.utc)).total_seconds())
-    look = {"consistent": False, "raced": False, "waiting": False, "first": True}
+    # The occurrence's own bound: lock-delay is waited out until the next occurrence is due, never past it.
+    bound = clock() + (occ.next_when - datetime.now(timezone.utc)).total_seconds() if occ.next_when else deadline
+    if policy == "retry":
+        deadline = max(deadline, bound)
+    look: dict[str, Any] = {"consistent": False, "raced": False, "waiting": False, "first": True, "bound": bound}
     retry = LockDelayRetry(locker.spec.lock_delay_ms)
     while True:
         try:
@@ -352,7 +371,7 @@ def _turn(locker: Locker, ledger: Ledger, occ: Occurrence) -> float:
 
 
 def _step(locker: Locker, ledger: Ledger, occ: Occurrence, policy: str, deadline: float, retry: LockDelayRetry,
-          look: dict[str, bool]) -> tuple[Held | None, dict[str, Any] | None, str] | None:
+          look: dict[str, Any]) -> tuple[Held | None, dict[str, Any] | None, str] | None:
     """One look and what follows from it: a result, or None to look again."""
     snap = ledger.snapshot(consistent=look["consistent"])
     look["consistent"] = True  # the first look may be stale; every later one decides a takeover
@@ -375,10 +394,13 @@ def _step(locker: Locker, ledger: Ledger, occ: Occurrence, policy: str, deadline
             snap.trigger.get("node") == locker.node_name():
         return _manual(locker, ledger, snap)
     if state == "later":
-        return None, None, f"a later occurrence ({record['occurrence']}) is already claimed; {occ.id} is past"
+        return None, None, (f"a later occurrence ({record['occurrence']}) is already claimed; {occ.id} is past"
+                            + _skew(record))
     if state == "done":
         return None, None, (f"occurrence {occ.id} already ran on {record.get('node')} "
-                            f"(exit status {record.get('exit_status', '?')})")
+                            f"(exit status {record.get('exit_status', '?')})" + _skew(record))
+    if state == "missed":
+        return None, None, f"occurrence {occ.id} was recorded missed: {printable(record.get('reason'))}"
     if state == "dead" and policy == "skip":
         ops = ledger.failed_ops(record, snap.record_index, "abandoned", ABANDONED_REASON)
         if locker.client.txn(ops, optional_checks=True) is not None:
@@ -390,7 +412,7 @@ def _step(locker: Locker, ledger: Ledger, occ: Occurrence, policy: str, deadline
                "failed": f"was claimed by {record.get('node')} and ended {record.get('state')}; it is not run again"
                }[state]
         lost_race = " (this node lost the race for it)" if look["raced"] else ""
-        return None, None, f"occurrence {occ.id} {how}{lost_race} (on_holder_loss=skip)"
+        return None, None, f"occurrence {occ.id} {how}{lost_race} (on_holder_loss=skip)" + _skew(record)
     if state in ("running", "failed", "dead"):
         look["waiting"] = True  # retry: from here on this node stands by or takes over
     if first and state == "free" and not snap.holder_session and (wait := _turn(locker, ledger, occ)):
@@ -411,7 +433,10 @@ def _step(locker: Locker, ledger: Ledger, occ: Occurrence, policy: str, deadline
         if held:
             return held, claimed["record"], ""
         look["raced"] = True
-    remaining = deadline - clock()
+    # Refused while nobody holds the lock or has claimed it: lock-delay after an invalidation (a lost race shows
+    # its winner's claim at the next look). It is waited out within the occurrence's own bound.
+    delayed = look["raced"] and not holders and state == "free"
+    remaining = max(deadline, look["bound"]) - clock() if delayed else deadline - clock()
     if remaining <= 0:
         if holders and state == "free":
             return None, None, f"the previous run still holds the lock: {describe_holder(snap.lock or {})}"
@@ -420,6 +445,8 @@ def _step(locker: Locker, ledger: Ledger, occ: Occurrence, policy: str, deadline
                                 "the next occurrence is due, so this node stops standing by")
         if look["raced"] and (again := ledger.snapshot(consistent=True)).paused:  # the claim met a new pause
             return None, None, f"the job is {again.paused}"
+        if delayed:
+            return None, None, _record_missed(locker, ledger, occ, snap)
         return None, None, f"could not claim occurrence {occ.id}"
     if holders:
         look["waiting"] = True
@@ -431,7 +458,30 @@ def _step(locker: Locker, ledger: Ledger, occ: Occurrence, policy: str, deadline
                              wait_s=min(remaining, 300))
     else:  # lock-delay after an invalidation, or a lost race: look again when it should be over
         testhook.pause("lock-delay-wait")
-        locker.say_waiting("delay", f"occurrence {occ.id} is free to take over but lock-delay refuses it; "
-                                    "trying again when it ends", every_s=10)
+        locker.say_waiting("delay", f"occurrence {occ.id} is free but lock-delay (after the previous holder's "
+                                    "session was invalidated) refuses it; trying again when it ends, until "
+                                    f"{remaining:.0f}s from now", every_s=10)
         locker.sleep(min(retry.next_wait(), remaining))
     return None
+
+
+LOCK_DELAY_MISSED = ("lock-delay after the previous holder's session was invalidated (a forced unlock, its node's agent "
+                     "stopped, a failed check) refused every claim until the next occurrence was due")
+
+
+def _record_missed(locker: Locker, ledger: Ledger, occ: Occurrence, snap: Snapshot) -> str:
+    """Record `occ` missed (one write, check-and-set: the first of the nodes that waited in vain records it) and
+    say why this node skips: an occurrence lock-delay kept from everyone is never silently gone."""
+    node = locker.node_name()
+    try:
+        written = locker.client.txn(ledger.missed_ops(occ, snap, node, LOCK_DELAY_MISSED), optional_checks=True)
+    except ConsulrunError as exc:  # the skip stands; status still sees the gap once the next occurrence is claimed
+        return f"could not claim occurrence {occ.id}: {LOCK_DELAY_MISSED}; recording it missed failed ({exc})"
+    said = "recorded it missed" if written is not None else "another node recorded it, or claimed it, first"
+    return f"could not claim occurrence {occ.id}: {LOCK_DELAY_MISSED}; {said}"
+
+
+def _skew(record: dict[str, Any]) -> str:
+    """A skip's note when the record's own times lie in this node's future: one of the two clocks is wrong."""
+    lead = clockskew.ahead_of_us(record, datetime.now(timezone.utc))
+    return f"; {clockskew.note(record, lead)}" if lead else ""
