@@ -51,6 +51,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("consulrun")
 
 FAILED_STATES = ("lost", "abandoned")
+LAST_CLAIM_BEFORE_NEXT_S = 1.0
+LOCK_DELAY_STEPS = 8  # a wait through lock-delay tries every lock-delay/8 (at least 1s): at most ~9 writes a node
 # How far ahead of this node another node's clock may be: a record later than the next occurrence plus this
 # cannot have been claimed by a node whose clock agrees with ours (see Ledger.verdict).
 ALLOWED_SKEW_S = 300.0
@@ -95,6 +97,7 @@ class Snapshot:
     trigger: dict[str, Any] | None = None  # a pending `consulrun trigger` request
     trigger_index: int = 0
     pause_index: int = 0  # ModifyIndex of the pause key as read, 0 if absent
+    clock: dict[str, dict[str, Any]] | None = None  # findings about nodes' clocks (clockskew), by key
 
     @property
     def holder_session(self) -> str | None:
@@ -124,8 +127,8 @@ class Ledger:
         self.history_size = history_size
 
     def snapshot(self, consistent: bool = False) -> Snapshot:
-        entries = self.client.read_trees([self.record_key, self.lock_key, self.pause_key, self.trigger_key],
-                                         consistent=consistent)
+        entries = self.client.read_trees([self.record_key, self.lock_key, self.pause_key, self.trigger_key,
+                                          clockskew.clock_prefix(self.base)], consistent=consistent)
         record_entry, lock, trigger = (entries.get(k) for k in (self.record_key, self.lock_key, self.trigger_key))
         paused = pause.value_of(entries.get(self.pause_key))
         return Snapshot(record_index=int(record_entry["ModifyIndex"]) if record_entry else 0,
@@ -133,7 +136,8 @@ class Ledger:
                         paused=pause.describe(paused) if pause.in_force(paused) else None,
                         trigger=read_request(trigger, self.job),
                         trigger_index=int(trigger["ModifyIndex"]) if trigger else 0,
-                        pause_index=int(entries[self.pause_key]["ModifyIndex"]) if self.pause_key in entries else 0)
+                        pause_index=int(entries[self.pause_key]["ModifyIndex"]) if self.pause_key in entries else 0,
+                        clock={k: e for k, e in entries.items() if k.startswith(clockskew.clock_prefix(self.base))})
 
     def await_claim(self, snap: Snapshot, wait_s: float) -> None:
         """Return when the record moves on from `snap` (a claim landed) or after `wait_s`: a blocking read, no write."""
@@ -320,15 +324,16 @@ def acquire(locker: Locker, ledger: Ledger, occ: Occurrence, policy: str,
     the occurrence over if its runner's session dies before recording a result.
     The caller destroys the session on every path that returns no lock.
     """
-    deadline = clock() + wait_s
-    # The occurrence's own bound: lock-delay is waited out until the next occurrence is due, never past it.
-    bound = clock() + (occ.next_when - datetime.now(timezone.utc)).total_seconds() if occ.next_when else deadline
-    if policy == "retry":
-        deadline = max(deadline, bound)
-    look: dict[str, Any] = {"consistent": False, "raced": False, "waiting": False, "first": True, "bound": bound}
-    retry = LockDelayRetry(locker.spec.lock_delay_ms)
+    started = clock()
+    look: dict[str, Any] = {"consistent": False, "raced": False, "waiting": False, "first": True, "occ": occ,
+                            "offset": 0.0}
+    deadline = _bounds(look, policy, started + wait_s)
+    retry = LockDelayRetry(locker.spec.lock_delay_ms, steps=LOCK_DELAY_STEPS)
     while True:
         try:
+            if look["occ"] is not occ:  # this node's clock is ahead of the cluster's: the cluster's occurrence
+                occ = look["occ"]
+                deadline = _bounds(look, policy, started + wait_s)
             result = _step(locker, ledger, occ, policy, deadline, retry, look)
         except ConsulUnavailable as exc:
             # A standby (or a node about to take a dead run over) outlives a restarting agent or an election,
@@ -341,6 +346,38 @@ def acquire(locker: Locker, ledger: Ledger, occ: Occurrence, policy: str,
             continue
         if result is not None:
             return result
+
+
+def _bounds(look: dict[str, Any], policy: str, deadline: float) -> float:
+    """Set the occurrence's own bound in `look` and return the deadline: lock-delay is waited out until a second
+    before the next occurrence is due by the cluster's clock (a claim then would hold the lock when the next one's
+    nodes look, and make them skip it), never past it; a `retry` standby stands by until it is due."""
+    occ = look["occ"]
+    left = (occ.next_when - datetime.now(timezone.utc)).total_seconds() + look["offset"] if occ.next_when else None
+    look["bound"] = clock() + left - LAST_CLAIM_BEFORE_NEXT_S if left is not None else deadline
+    return max(deadline, look["bound"] + LAST_CLAIM_BEFORE_NEXT_S) if policy == "retry" and left is not None \
+        else deadline
+
+
+def _cluster_clock(locker: Locker, ledger: Ledger, snap: Snapshot, occ: Occurrence, look: dict[str, Any]) -> bool:
+    """True if other nodes found this node's clock ahead (clockskew.correction) and the occurrence due by the
+    cluster's clock is another: `look` then names it, and the caller looks again for that one."""
+    if not snap.clock:  # no finding about anyone: no agent read either
+        return False
+    now = datetime.now(timezone.utc)
+    fix = clockskew.correction(snap.clock, ledger.base, locker.node_name(), now)
+    if fix is None:
+        return False
+    lead, accusers = fix
+    due = current(list(occ.specs), now - timedelta(seconds=lead))
+    if due is None or due.id == occ.id:
+        return False
+    log.warning("%s: this node's clock is at least %.0fs ahead of the cluster's (found by %s, under %s): occurrence "
+                "%s is not due yet by the cluster's clock, so this node does not claim it; it acts for %s instead",
+                locker.spec.job, lead, ", ".join(printable(a) for a in accusers), clockskew.clock_prefix(ledger.base),
+                occ.id, due.id)
+    look.update(occ=due, offset=lead, first=True, consistent=False)
+    return True
 
 
 def _turn(locker: Locker, ledger: Ledger, occ: Occurrence) -> float:
@@ -376,6 +413,8 @@ def _step(locker: Locker, ledger: Ledger, occ: Occurrence, policy: str, deadline
     snap = ledger.snapshot(consistent=look["consistent"])
     look["consistent"] = True  # the first look may be stale; every later one decides a takeover
     first, look["first"] = look["first"], False
+    if first and look["offset"] == 0.0 and _cluster_clock(locker, ledger, snap, occ, look):
+        return None
     if snap.paused:
         return None, None, f"the job is {snap.paused}"
     if snap.holder_session and locker.reap_dead_holder({ledger.lock_key: snap.lock}):
@@ -395,10 +434,10 @@ def _step(locker: Locker, ledger: Ledger, occ: Occurrence, policy: str, deadline
         return _manual(locker, ledger, snap)
     if state == "later":
         return None, None, (f"a later occurrence ({record['occurrence']}) is already claimed; {occ.id} is past"
-                            + _skew(record))
+                            + _skew(locker, ledger, snap))
     if state == "done":
         return None, None, (f"occurrence {occ.id} already ran on {record.get('node')} "
-                            f"(exit status {record.get('exit_status', '?')})" + _skew(record))
+                            f"(exit status {record.get('exit_status', '?')})" + _skew(locker, ledger, snap))
     if state == "missed":
         return None, None, f"occurrence {occ.id} was recorded missed: {printable(record.get('reason'))}"
     if state == "dead" and policy == "skip":
@@ -412,7 +451,7 @@ def _step(locker: Locker, ledger: Ledger, occ: Occurrence, policy: str, deadline
                "failed": f"was claimed by {record.get('node')} and ended {record.get('state')}; it is not run again"
                }[state]
         lost_race = " (this node lost the race for it)" if look["raced"] else ""
-        return None, None, f"occurrence {occ.id} {how}{lost_race} (on_holder_loss=skip)" + _skew(record)
+        return None, None, f"occurrence {occ.id} {how}{lost_race} (on_holder_loss=skip)" + _skew(locker, ledger, snap)
     if state in ("running", "failed", "dead"):
         look["waiting"] = True  # retry: from here on this node stands by or takes over
     if first and state == "free" and not snap.holder_session and (wait := _turn(locker, ledger, occ)):
@@ -420,7 +459,8 @@ def _step(locker: Locker, ledger: Ledger, occ: Occurrence, policy: str, deadline
         ledger.await_claim(snap, wait)
         return None
     holders = [snap.lock] if snap.holder_session else []
-    if not holders and state != "running":
+    too_late = look["raced"] and state == "free" and clock() >= look["bound"]  # refused until its bound: missed
+    if not holders and state != "running" and not too_late:
         claimed: dict[str, Any] = {}
         takeover = state in ("failed", "dead")
 
@@ -436,7 +476,7 @@ def _step(locker: Locker, ledger: Ledger, occ: Occurrence, policy: str, deadline
     # Refused while nobody holds the lock or has claimed it: lock-delay after an invalidation (a lost race shows
     # its winner's claim at the next look). It is waited out within the occurrence's own bound.
     delayed = look["raced"] and not holders and state == "free"
-    remaining = max(deadline, look["bound"]) - clock() if delayed else deadline - clock()
+    remaining = (look["bound"] if delayed else deadline) - clock()
     if remaining <= 0:
         if holders and state == "free":
             return None, None, f"the previous run still holds the lock: {describe_holder(snap.lock or {})}"
@@ -465,8 +505,8 @@ def _step(locker: Locker, ledger: Ledger, occ: Occurrence, policy: str, deadline
     return None
 
 
-LOCK_DELAY_MISSED = ("lock-delay after the previous holder's session was invalidated (a forced unlock, its node's agent "
-                     "stopped, a failed check) refused every claim until the next occurrence was due")
+LOCK_DELAY_MISSED = ("lock-delay after the previous holder's session was invalidated (a forced unlock, its node's "
+                     "agent stopped, a failed check) refused every claim until the next occurrence was due")
 
 
 def _record_missed(locker: Locker, ledger: Ledger, occ: Occurrence, snap: Snapshot) -> str:
@@ -481,7 +521,17 @@ def _record_missed(locker: Locker, ledger: Ledger, occ: Occurrence, snap: Snapsh
     return f"could not claim occurrence {occ.id}: {LOCK_DELAY_MISSED}; {said}"
 
 
-def _skew(record: dict[str, Any]) -> str:
-    """A skip's note when the record's own times lie in this node's future: one of the two clocks is wrong."""
-    lead = clockskew.ahead_of_us(record, datetime.now(timezone.utc))
-    return f"; {clockskew.note(record, lead)}" if lead else ""
+def _skew(locker: Locker, ledger: Ledger, snap: Snapshot) -> str:
+    """A skip's note when the record's own times lie in this node's future (one of the two clocks is wrong), and
+    the finding recorded where the record's writer reads it (one write, only when it says something new)."""
+    record, now = snap.record or {}, datetime.now(timezone.utc)
+    lead = clockskew.ahead_of_us(record, now)
+    if not lead:
+        return ""
+    try:
+        ops = clockskew.finding_ops(snap.clock or {}, ledger.base, record, lead, locker.node_name(), now)
+        if ops:
+            locker.client.txn(ops)
+    except ConsulrunError as exc:  # the finding is a courtesy to the node it names; the skip stands either way
+        log.warning("%s: could not record the clock finding (%s)", locker.spec.job, exc)
+    return f"; {clockskew.note(record, lead)}"
