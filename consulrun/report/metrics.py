@@ -73,7 +73,8 @@ class ClusterMetrics:
         self.grace_s = grace_s
         self.registry = CollectorRegistry()
         self.runs = Counter("consulrun_job_runs", "Finished runs seen in the jobs' history, by outcome "
-                            "(success, failed, lost, abandoned; missed: an occurrence recorded as run nowhere).", ["job_name", "outcome"], registry=self.registry)
+                            "(success, failed, lost, abandoned; missed: an occurrence recorded as run nowhere).",
+                            ["job_name", "outcome"], registry=self.registry)
         self.lag = Histogram("consulrun_job_schedule_lag_seconds", "Job start minus its scheduled occurrence, "
                              "per attempt (a takeover's attempt included).", ["job_name"], buckets=LAG_BUCKETS,
                              registry=self.registry)

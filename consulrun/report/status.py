@@ -340,9 +340,30 @@ def judge_job(name: str, keys: dict[str, dict[str, Any]], manifest: Manifest | N
         if lead:
             status.problem("skew", clockskew.note(record, lead), node=clockskew.writer(record), ahead_s=round(lead, 1),
                            occurrence=record.get("occurrence"))
+    _clock_findings(status, keys, now)
     _recorded_misses(status, keys, record, now)
     _overdue_holders(status, expect, now)
     return status
+
+
+def _clock_findings(status: JobStatus, keys: dict[str, dict[str, Any]], now: datetime) -> None:
+    """Fresh findings the nodes recorded about each other's clocks (protocol/clockskew.py): a node they found
+    ahead stays reported while they keep finding it, not only while its latest record is young."""
+    named = {p["node"] for p in status.problems if p["kind"] == "skew"}
+    for key, entry in sorted(keys.items()):
+        parts = key.split("/")
+        if len(parts) != 3 or parts[0] != "clock" or parts[1] in named:
+            continue
+        value = decoded(entry)
+        at, ahead = parse_time(value.get("at")), value.get("ahead_s")
+        if at is None or not isinstance(ahead, (int, float)) or isinstance(ahead, bool) or ahead <= 0 \
+                or abs((now - at).total_seconds()) > clockskew.FINDING_FRESH_S:
+            continue
+        named.add(parts[1])
+        status.problem("skew", f"{parts[1]}'s clock was found at least {ahead:.0f}s ahead of {parts[2]}'s at "
+                               f"{at:%H:%M:%S} UTC (by {parts[2]}'s clock), in its record of occurrence "
+                               f"{value.get('occurrence')}",
+                       node=parts[1], ahead_s=float(ahead), occurrence=value.get("occurrence"))
 
 
 def _recorded_misses(status: JobStatus, keys: dict[str, dict[str, Any]], record: dict[str, Any] | None,
