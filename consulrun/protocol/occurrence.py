@@ -52,7 +52,9 @@ log = logging.getLogger("consulrun")
 
 FAILED_STATES = ("lost", "abandoned")
 LAST_CLAIM_BEFORE_NEXT_S = 1.0
-LOCK_DELAY_STEPS = 8  # a wait through lock-delay tries every lock-delay/8 (at least 1s): at most ~9 writes a node
+# A wait through lock-delay tries every lock-delay/8 (at least 1s); the leader turns a refused acquisition away
+# before Raft (bench/RESULTS.md), so the tries cost no writes.
+LOCK_DELAY_STEPS = 8
 # How far ahead of this node another node's clock may be: a record later than the next occurrence plus this
 # cannot have been claimed by a node whose clock agrees with ours (see Ledger.verdict).
 ALLOWED_SKEW_S = 300.0
@@ -515,7 +517,7 @@ def _record_missed(locker: Locker, ledger: Ledger, occ: Occurrence, snap: Snapsh
     node = locker.node_name()
     try:
         written = locker.client.txn(ledger.missed_ops(occ, snap, node, LOCK_DELAY_MISSED), optional_checks=True)
-    except ConsulrunError as exc:  # the skip stands; status still sees the gap once the next occurrence is claimed
+    except ConsulrunError as exc:  # the skip stands, and its line says what happened
         return f"could not claim occurrence {occ.id}: {LOCK_DELAY_MISSED}; recording it missed failed ({exc})"
     said = "recorded it missed" if written is not None else "another node recorded it, or claimed it, first"
     return f"could not claim occurrence {occ.id}: {LOCK_DELAY_MISSED}; {said}"
