@@ -39,7 +39,7 @@ GOLDEN_REWRITTEN = pytest.StashKey[list[str]]()
 
 # Modules whose tests share a module-scoped container, cluster or sshd (test_deb: also one build/ folder): kept on
 # one worker (booted once).
-ONE_WORKER_MODULES = {"test_deb", "test_install", "test_onfailure", "test_remote", "test_trigger"}
+ONE_WORKER_MODULES = {"test_deb", "test_install", "test_missed_units", "test_onfailure", "test_remote", "test_trigger"}
 
 
 def pytest_configure(config: pytest.Config) -> None:
