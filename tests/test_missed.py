@@ -154,6 +154,13 @@ def test_a_node_whose_clock_is_ahead_by_more_than_an_interval_is_reported_with_t
     assert 'consulrun_job_state{job_name="ahead",state="skew"} 1.0' in text, text
     assert 'consulrun_job_clock_ahead_seconds{job_name="ahead",node="dev1"}' in text, text
 
+    manifest = tmp_path / "jobs.yaml"
+    manifest.write_text(f"health_checks: true\njobs:\n  ahead: {{command: 'true', schedule: '{EVERY_10S}'}}\n")
+    code, _, err = finish(consulrun("watchdog", str(manifest)))
+    assert code == 0, err
+    check = next(c for c in consul.get("health/node/consulrun") if c["CheckID"] == "job:ahead")
+    assert check["Status"] == "critical" and "skew: dev1's clock is ahead of another node's" in check["Output"], check
+
 
 def test_the_skip_paths_of_a_recorded_miss_and_of_a_skewed_record_make_no_writes(consul: Agent, tmp_path: Path) -> None:
     """Nothing was lost by a node that finds the miss already recorded: it skips on reads alone."""
