@@ -211,3 +211,29 @@ def test_a_node_two_others_found_ahead_claims_only_what_is_due_by_the_cluster_cl
     code, _, err = finish(consulrun(*args, env=ahead, netns=node3.netns))
     assert code == 0, err
     assert seen.read_text().split() == [_occ(cycle + 10), _occ(cycle + 20)]  # not cycle + 30, as its clock says
+
+
+@pytest.mark.cluster
+def test_after_the_holders_agent_stops_the_next_occurrence_is_run_or_recorded_missed(
+        cluster: Cluster, tmp_path: Path) -> None:
+    """The issue's second way to break a lock: the holder's agent stops (its session is invalidated when
+    serfHealth goes critical, lock-delay 15 s). The next occurrence is waited for within its bound, or, if
+    lock-delay outlasts that, recorded missed: never `could not claim` and nothing else."""
+    node2, node3 = cluster.clients
+    env = {"CONSUL_HTTP_ADDR": "127.0.0.1:8500"}
+    started, seen = tmp_path / "started", tmp_path / "seen"
+    common = ["run", "--schedule", EVERY_10S, "--skip-exit-code", str(SKIP), "agentgone"]
+    cycle = _at_second(0.3, 1.5)
+    holder = consulrun(*common, "--", "sh", "-c", f"touch {started}; sleep 60", env=env, netns=node2.netns)
+    wait_for(started.exists, 5, "the holder's job")
+    node2.kill()
+    _until(cycle + 10.3)
+    code, _, err = finish(consulrun(*common, "--", "sh", "-c", f"echo $CONSULRUN_OCCURRENCE > {seen}", env=env,
+                                    netns=node3.netns), timeout=30)
+    assert finish(holder, timeout=90)[0] == 75  # fenced: its agent is gone
+    assert "lock-delay" in err, err
+    if code == 0:
+        assert seen.read_text().strip() == _occ(cycle + 10)
+    else:
+        assert code == SKIP and "recorded it missed" in err, err
+        assert history(cluster.server, "agentgone")[_occ(cycle + 10)]["state"] == "missed"
