@@ -7,7 +7,10 @@ the Raft entries the server applies while the waiter waits and runs `true`
 invalidation to the waiter's job start. L = 30s and 60s exceed 2 x TTL: a
 waiter that did not renew its session would lose it before lock-delay ends.
 
-Usage: python bench/lockdelay_wait.py [--delays 30,60] [--rounds 3]   (prints a Markdown table)
+With `--schedule`, consulrun waits as a unit's run does: `--schedule` (a yearly spec, so the occurrence's own
+bound is far off), no `--wait`; each round a job of its own (one occurrence each).
+
+Usage: python bench/lockdelay_wait.py [--delays 30,60] [--rounds 3] [--schedule]   (prints a Markdown table)
 """
 
 from __future__ import annotations
@@ -65,6 +68,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--delays", default="30,60")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--schedule", action="store_true", help="consulrun run --schedule, no --wait")
     args = parser.parse_args()
     binary = consul_binary()
     tmp = Path(tempfile.mkdtemp(prefix="bench-delay-"))
@@ -76,10 +80,12 @@ def main() -> None:
     try:
         for delay in (int(x) for x in args.delays.split(",")):
             ours, theirs = [], []
-            for _ in range(args.rounds):
+            for n in range(args.rounds):
+                name = f"sched{delay}-{n}" if args.schedule else "waitjob"
+                how = ["--schedule", "*-01-01 00:00:00 UTC"] if args.schedule else ["--wait", "3m"]
                 ours.append(trial(agent, [sys.executable, "-m", "consulrun", "run", "--ttl", "10s", "--lock-delay",
-                                          f"{delay}s", "--wait", "3m", "waitjob", "--", "sh", "-c", job],
-                                  "consulrun/waitjob/lock", delay, started, env))
+                                          f"{delay}s", *how, name, "--", "sh", "-c", job],
+                                  f"consulrun/{name}/lock", delay, started, env))
                 theirs.append(trial(agent, [binary, "lock", "-shell", "-timeout=3m", "waitlock", job],
                                     "waitlock/.lock", delay, started, env))
             rows.append((delay, ours, theirs))

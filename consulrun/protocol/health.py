@@ -76,6 +76,8 @@ def summary(record: dict[str, Any] | None) -> tuple[str, str]:
     if kind in ("lost", "abandoned"):
         reason = record.get("reason") or record.get("lost") or "no reason recorded"
         return CRITICAL, f"{run} on {node} was {kind}: {reason}"
+    if kind == "missed":  # it ran nowhere: no node to name
+        return CRITICAL, f"{run} was missed: {record.get('reason') or 'no reason recorded'}"
     if kind == "running":
         return PASSING, f"{run} is running on {node} since {record.get('started')}"
     code = record.get("exit_status")

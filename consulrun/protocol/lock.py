@@ -495,11 +495,15 @@ class LockDelayRetry:
     """When to try a free-but-refused key again: once lock-delay should be over, then backing off.
 
     Every attempt is a Raft write; this keeps a wait through lock-delay to a
-    handful of them however long lock-delay is.
+    handful of them however long lock-delay is. With `steps`, lock-delay is
+    also tried that many times on the way: the invalidation may have come up to
+    lock-delay before the first refusal, and a wait bounded by the next
+    occurrence must not sleep past a lock-delay that already ended.
     """
 
-    def __init__(self, lock_delay_ms: int) -> None:
+    def __init__(self, lock_delay_ms: int, steps: int = 1) -> None:
         self.lock_delay_s = lock_delay_ms / 1000
+        self.step_s = max(1.0, self.lock_delay_s / steps)
         self.first_refusal: float | None = None
         self.backoff = 0.5
 
@@ -509,7 +513,7 @@ class LockDelayRetry:
             self.first_refusal = now
         due = self.first_refusal + self.lock_delay_s + 0.2
         if now < due:
-            return due - now
+            return min(due - now, self.step_s)
         wait, self.backoff = self.backoff, min(self.backoff * 2, 5.0)
         return wait
 

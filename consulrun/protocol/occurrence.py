@@ -18,8 +18,11 @@ can never overwrite a later attempt either.
 
 Record states: running, done (with exit status), lost (fenced, or the session
 destroyed), abandoned (the runner's session died before it recorded anything;
-written by the next node that sees it). Under `retry`, lost and abandoned
-occurrences are run again (attempt + 1); under `skip`, never.
+written by the next node that sees it), missed (lock-delay after an
+invalidation refused every claim until the next occurrence was due; written
+by a node that waited it out in vain). Under `retry`, lost and abandoned
+occurrences are run again (attempt + 1); under `skip`, never; a missed one is
+past its time everywhere.
 
 Why this module is long: claiming, taking over and recording an occurrence is one
 compare-and-set protocol over one record; its steps are read together to see what holds at each
@@ -36,7 +39,7 @@ from consulrun.consul.client import Client, decoded, kv_op
 from consulrun.consul.values import printable
 from consulrun.errors import ConsulrunError, ConsulUnavailable, MalformedValue, UsageError
 from consulrun.manifest import calendar
-from consulrun.protocol import pause, testhook, turns
+from consulrun.protocol import clockskew, pause, testhook, turns
 from consulrun.protocol.lock import Held, LockDelayRetry, Locker, clock, describe_holder, now_iso
 from consulrun.protocol.trigger import fresh as trigger_fresh, read_request
 from consulrun.records import record
@@ -50,6 +53,10 @@ log = logging.getLogger("consulrun")
 
 FAILED_STATES = ("lost", "abandoned")
 WHERE_IT_RAN = ("host", "unit", "invocation_id")  # of the holder's value, kept in the occurrence record
+LAST_CLAIM_BEFORE_NEXT_S = 1.0
+# A wait through lock-delay tries every lock-delay/8 (at least 1s); the leader turns a refused acquisition away
+# before Raft (bench/RESULTS.md), so the tries cost no writes.
+LOCK_DELAY_STEPS = 8
 # How far ahead of this node another node's clock may be: a record later than the next occurrence plus this
 # cannot have been claimed by a node whose clock agrees with ours (see Ledger.verdict).
 ALLOWED_SKEW_S = 300.0
@@ -94,6 +101,7 @@ class Snapshot:
     trigger: dict[str, Any] | None = None  # a pending `consulrun trigger` request
     trigger_index: int = 0
     pause_index: int = 0  # ModifyIndex of the pause key as read, 0 if absent
+    clock: dict[str, dict[str, Any]] | None = None  # findings about nodes' clocks (clockskew), by key
 
     @property
     def holder_session(self) -> str | None:
@@ -123,8 +131,8 @@ class Ledger:
         self.history_size = history_size
 
     def snapshot(self, consistent: bool = False) -> Snapshot:
-        entries = self.client.read_trees([self.record_key, self.lock_key, self.pause_key, self.trigger_key],
-                                         consistent=consistent)
+        entries = self.client.read_trees([self.record_key, self.lock_key, self.pause_key, self.trigger_key,
+                                          clockskew.clock_prefix(self.base)], consistent=consistent)
         record_entry, lock, trigger = (entries.get(k) for k in (self.record_key, self.lock_key, self.trigger_key))
         paused = pause.value_of(entries.get(self.pause_key))
         return Snapshot(record_index=int(record_entry["ModifyIndex"]) if record_entry else 0,
@@ -132,7 +140,8 @@ class Ledger:
                         paused=pause.describe(paused) if pause.in_force(paused) else None,
                         trigger=read_request(trigger, self.job),
                         trigger_index=int(trigger["ModifyIndex"]) if trigger else 0,
-                        pause_index=int(entries[self.pause_key]["ModifyIndex"]) if self.pause_key in entries else 0)
+                        pause_index=int(entries[self.pause_key]["ModifyIndex"]) if self.pause_key in entries else 0,
+                        clock={k: e for k, e in entries.items() if k.startswith(clockskew.clock_prefix(self.base))})
 
     def await_claim(self, snap: Snapshot, wait_s: float) -> None:
         """Return when the record moves on from `snap` (a claim landed) or after `wait_s`: a blocking read, no write."""
@@ -156,7 +165,8 @@ class Ledger:
 
     def verdict(self, snap: Snapshot, occ: Occurrence) -> str:
         """'free' (nobody has it), 'done', 'running', 'dead' (running, but its runner lost the lock),
-        'failed' (recorded lost or abandoned), or 'later' (a newer occurrence is claimed).
+        'failed' (recorded lost or abandoned), 'missed' (recorded missed), or 'later' (a newer occurrence is
+        claimed).
 
         A record later than this node's next occurrence plus the allowed clock
         skew was claimed by no node whose clock agrees with ours: a forged
@@ -175,8 +185,8 @@ class Ledger:
                 raise MalformedValue(self.record_key, future_text(record["occurrence"], limit))
             return "later"
         state = record.get("state")
-        if state == "done":
-            return "done"
+        if state in ("done", "missed"):
+            return state
         if state in FAILED_STATES:
             return "failed"
         return "running" if snap.runner_alive() else "dead"
@@ -195,12 +205,25 @@ class Ledger:
                  # Where its output is: `consulrun logs` reads that host's journal by the invocation id.
                  **{k: holder[k] for k in WHERE_IT_RAN if holder.get(k)}}
         ops = [kv_op("cas", self.record_key, claim, Index=snap.record_index),
-               pause.unchanged_op(self.base, snap.pause_index)]
+               pause.unchanged_op(self.base, snap.pause_index), *self._close_earlier(occ, record)]
+        return ops, claim
+
+    def _close_earlier(self, occ: Occurrence, record: dict[str, Any]) -> list[dict[str, Any]]:
         if record.get("state") == "running" and record.get("occurrence", "") < occ.id:
             # Its runner died before recording a result: say so in the history rather than leave a gap.
-            ops.append(kv_op("set", self.history_prefix + record["occurrence"],
-                             _final(record, "abandoned", ABANDONED_REASON)))
-        return ops, claim
+            return [kv_op("set", self.history_prefix + record["occurrence"],
+                          _final(record, "abandoned", ABANDONED_REASON))]
+        return []
+
+    def missed_ops(self, occ: Occurrence, snap: Snapshot, node: str | None, reason: str) -> list[dict[str, Any]]:
+        """Record `occ` as missed (ran nowhere), valid only if the record is still at the index read: of the nodes
+        that waited for it in vain, one records it; a claim that landed meanwhile stands."""
+        missed = {"occurrence": occ.id, "state": "missed", "node": None, "recorded_by": node, "reason": reason,
+                  "ended": now_iso(), "schedule": list(occ.specs), "zone": calendar.local_zone_name(),
+                  "zone_offsets": calendar.zone_offsets(occ.when)}
+        return [kv_op("cas", self.record_key, missed, Index=snap.record_index),
+                kv_op("set", self.history_prefix + occ.id, missed), *self._close_earlier(occ, snap.record or {}),
+                *self.health_ops(missed)]
 
     def finish_ops(self, claim: dict[str, Any], outcome: dict[str, Any], claim_index: int) -> list[dict[str, Any]]:
         """Operations that record the run's result and its history entry, pruning the oldest entries.
@@ -310,13 +333,16 @@ def acquire(locker: Locker, ledger: Ledger, occ: Occurrence, policy: str,
     `consulrun trigger` starts it; only a run its timer started leaves a pending trigger for an unclaimed
     occurrence.
     """
-    deadline = clock() + wait_s
-    if policy == "retry" and occ.next_when is not None:
-        deadline = max(deadline, clock() + (occ.next_when - datetime.now(timezone.utc)).total_seconds())
-    look = {"consistent": False, "raced": False, "waiting": False, "first": True, "by_timer": by_timer}
-    retry = LockDelayRetry(locker.spec.lock_delay_ms)
+    started = clock()
+    look: dict[str, Any] = {"consistent": False, "raced": False, "waiting": False, "first": True, "occ": occ,
+                            "offset": 0.0, "by_timer": by_timer}
+    deadline = _bounds(look, policy, started + wait_s)
+    retry = LockDelayRetry(locker.spec.lock_delay_ms, steps=LOCK_DELAY_STEPS)
     while True:
         try:
+            if look["occ"] is not occ:  # this node's clock is ahead of the cluster's: the cluster's occurrence
+                occ = look["occ"]
+                deadline = _bounds(look, policy, started + wait_s)
             result = _step(locker, ledger, occ, policy, deadline, retry, look)
         except ConsulUnavailable as exc:
             # A standby (or a node about to take a dead run over) outlives a restarting agent or an election,
@@ -329,6 +355,38 @@ def acquire(locker: Locker, ledger: Ledger, occ: Occurrence, policy: str,
             continue
         if result is not None:
             return result
+
+
+def _bounds(look: dict[str, Any], policy: str, deadline: float) -> float:
+    """Set the occurrence's own bound in `look` and return the deadline: lock-delay is waited out until a second
+    before the next occurrence is due by the cluster's clock (a claim then would hold the lock when the next one's
+    nodes look, and make them skip it), never past it; a `retry` standby stands by until it is due."""
+    occ = look["occ"]
+    left = (occ.next_when - datetime.now(timezone.utc)).total_seconds() + look["offset"] if occ.next_when else None
+    look["bound"] = clock() + left - LAST_CLAIM_BEFORE_NEXT_S if left is not None else deadline
+    return max(deadline, look["bound"] + LAST_CLAIM_BEFORE_NEXT_S) if policy == "retry" and left is not None \
+        else deadline
+
+
+def _cluster_clock(locker: Locker, ledger: Ledger, snap: Snapshot, occ: Occurrence, look: dict[str, Any]) -> bool:
+    """True if other nodes found this node's clock ahead (clockskew.correction) and the occurrence due by the
+    cluster's clock is another: `look` then names it, and the caller looks again for that one."""
+    if not snap.clock:  # no finding about anyone: no agent read either
+        return False
+    now = datetime.now(timezone.utc)
+    fix = clockskew.correction(snap.clock, ledger.base, locker.node_name(), now)
+    if fix is None:
+        return False
+    lead, accusers = fix
+    due = current(list(occ.specs), now - timedelta(seconds=lead))
+    if due is None or due.id == occ.id:
+        return False
+    log.warning("%s: this node's clock is at least %.0fs ahead of the cluster's (found by %s, under %s): occurrence "
+                "%s is not due yet by the cluster's clock, so this node does not claim it; it acts for %s instead",
+                locker.spec.job, lead, ", ".join(printable(a) for a in accusers), clockskew.clock_prefix(ledger.base),
+                occ.id, due.id)
+    look.update(occ=due, offset=lead, first=True, consistent=False)
+    return True
 
 
 def _turn(locker: Locker, ledger: Ledger, occ: Occurrence) -> float:
@@ -359,11 +417,13 @@ def _turn(locker: Locker, ledger: Ledger, occ: Occurrence) -> float:
 
 
 def _step(locker: Locker, ledger: Ledger, occ: Occurrence, policy: str, deadline: float, retry: LockDelayRetry,
-          look: dict[str, bool]) -> tuple[Held | None, dict[str, Any] | None, str] | None:
+          look: dict[str, Any]) -> tuple[Held | None, dict[str, Any] | None, str] | None:
     """One look and what follows from it: a result, or None to look again."""
     snap = ledger.snapshot(consistent=look["consistent"])
     look["consistent"] = True  # the first look may be stale; every later one decides a takeover
     first, look["first"] = look["first"], False
+    if first and look["offset"] == 0.0 and _cluster_clock(locker, ledger, snap, occ, look):
+        return None
     if snap.paused:
         return None, None, snap.paused  # `paused by ...`, as a run without --schedule says it
     if snap.holder_session and locker.reap_dead_holder({ledger.lock_key: snap.lock}):
@@ -385,10 +445,13 @@ def _step(locker: Locker, ledger: Ledger, occ: Occurrence, policy: str, deadline
             snap.trigger.get("node") == locker.node_name():
         return _manual(locker, ledger, snap)
     if state == "later":
-        return None, None, f"a later occurrence ({record['occurrence']}) is already claimed; {occ.id} is past"
+        return None, None, (f"a later occurrence ({record['occurrence']}) is already claimed; {occ.id} is past"
+                            + _skew(locker, ledger, snap))
     if state == "done":
         return None, None, (f"occurrence {occ.id} already ran on {record.get('node')} "
-                            f"(exit status {record.get('exit_status', '?')})")
+                            f"(exit status {record.get('exit_status', '?')})" + _skew(locker, ledger, snap))
+    if state == "missed":
+        return None, None, f"occurrence {occ.id} was recorded missed: {printable(record.get('reason'))}"
     if state == "dead" and policy == "skip":
         ops = ledger.failed_ops(record, snap.record_index, "abandoned", ABANDONED_REASON)
         if locker.client.txn(ops, optional_checks=True) is not None:
@@ -400,7 +463,7 @@ def _step(locker: Locker, ledger: Ledger, occ: Occurrence, policy: str, deadline
                "failed": f"was claimed by {record.get('node')} and ended {record.get('state')}; it is not run again"
                }[state]
         lost_race = " (this node lost the race for it)" if look["raced"] else ""
-        return None, None, f"occurrence {occ.id} {how}{lost_race} (on_holder_loss=skip)"
+        return None, None, f"occurrence {occ.id} {how}{lost_race} (on_holder_loss=skip)" + _skew(locker, ledger, snap)
     if state in ("running", "failed", "dead"):
         look["waiting"] = True  # retry: from here on this node stands by or takes over
     if first and state == "free" and not snap.holder_session and (wait := _turn(locker, ledger, occ)):
@@ -408,7 +471,8 @@ def _step(locker: Locker, ledger: Ledger, occ: Occurrence, policy: str, deadline
         ledger.await_claim(snap, wait)
         return None
     holders = [snap.lock] if snap.holder_session else []
-    if not holders and state != "running":
+    too_late = look["raced"] and state == "free" and clock() >= look["bound"]  # refused until its bound: missed
+    if not holders and state != "running" and not too_late:
         claimed: dict[str, Any] = {}
         takeover = state in ("failed", "dead")
 
@@ -421,7 +485,10 @@ def _step(locker: Locker, ledger: Ledger, occ: Occurrence, policy: str, deadline
         if held:
             return held, claimed["record"], ""
         look["raced"] = True
-    remaining = deadline - clock()
+    # Refused while nobody holds the lock or has claimed it: lock-delay after an invalidation (a lost race shows
+    # its winner's claim at the next look). It is waited out within the occurrence's own bound.
+    delayed = look["raced"] and not holders and state == "free"
+    remaining = (look["bound"] if delayed else deadline) - clock()
     if remaining <= 0:
         if holders and state == "free":
             return None, None, f"the previous run still holds the lock: {describe_holder(snap.lock or {})}"
@@ -430,6 +497,8 @@ def _step(locker: Locker, ledger: Ledger, occ: Occurrence, policy: str, deadline
                                 "the next occurrence is due, so this node stops standing by")
         if look["raced"] and (again := ledger.snapshot(consistent=True)).paused:  # the claim met a new pause
             return None, None, again.paused
+        if delayed:
+            return None, None, _record_missed(locker, ledger, occ, snap)
         return None, None, f"could not claim occurrence {occ.id}"
     if holders:
         look["waiting"] = True
@@ -441,7 +510,40 @@ def _step(locker: Locker, ledger: Ledger, occ: Occurrence, policy: str, deadline
                              wait_s=min(remaining, 300))
     else:  # lock-delay after an invalidation, or a lost race: look again when it should be over
         testhook.pause("lock-delay-wait")
-        locker.say_waiting("delay", f"occurrence {occ.id} is free to take over but lock-delay refuses it; "
-                                    "trying again when it ends", every_s=10)
+        locker.say_waiting("delay", f"occurrence {occ.id} is free but lock-delay (after the previous holder's "
+                                    "session was invalidated) refuses it; trying again when it ends, until "
+                                    f"{remaining:.0f}s from now", every_s=10)
         locker.sleep(min(retry.next_wait(), remaining))
     return None
+
+
+LOCK_DELAY_MISSED = ("lock-delay after the previous holder's session was invalidated (a forced unlock, its node's "
+                     "agent stopped, a failed check) refused every claim until the next occurrence was due")
+
+
+def _record_missed(locker: Locker, ledger: Ledger, occ: Occurrence, snap: Snapshot) -> str:
+    """Record `occ` missed (one write, check-and-set: the first of the nodes that waited in vain records it) and
+    say why this node skips: an occurrence lock-delay kept from everyone is never silently gone."""
+    node = locker.node_name()
+    try:
+        written = locker.client.txn(ledger.missed_ops(occ, snap, node, LOCK_DELAY_MISSED), optional_checks=True)
+    except ConsulrunError as exc:  # the skip stands, and its line says what happened
+        return f"could not claim occurrence {occ.id}: {LOCK_DELAY_MISSED}; recording it missed failed ({exc})"
+    said = "recorded it missed" if written is not None else "another node recorded it, or claimed it, first"
+    return f"could not claim occurrence {occ.id}: {LOCK_DELAY_MISSED}; {said}"
+
+
+def _skew(locker: Locker, ledger: Ledger, snap: Snapshot) -> str:
+    """A skip's note when the record's own times lie in this node's future (one of the two clocks is wrong), and
+    the finding recorded where the record's writer reads it (one write, only when it says something new)."""
+    record, now = snap.record or {}, datetime.now(timezone.utc)
+    lead = clockskew.ahead_of_us(record, now)
+    if not lead:
+        return ""
+    try:
+        ops = clockskew.finding_ops(snap.clock or {}, ledger.base, record, lead, locker.node_name(), now)
+        if ops:
+            locker.client.txn(ops)
+    except ConsulrunError as exc:  # the finding is a courtesy to the node it names; the skip stands either way
+        log.warning("%s: could not record the clock finding (%s)", locker.spec.job, exc)
+    return f"; {clockskew.note(record, lead)}"

@@ -126,7 +126,7 @@ def table(rows: list[dict[str, Any]], now: datetime) -> list[list[str]]:
     for r in rows:
         if r["state"] == "skipped":
             result = f"skipped ({r['reason']})"
-        elif r["state"] in ("lost", "abandoned", "running"):
+        elif r["state"] in ("lost", "abandoned", "running", "missed"):
             result = r["state"]
         else:
             result = f"exit {r['exit_status']}" if r["exit_status"] is not None else (r["state"] or "-")

@@ -43,8 +43,8 @@ log = logging.getLogger("consulrun")
 # Schedule lag spans timer accuracy (1s..1min), randomized delays and takeovers (lock-delay + TTLs): 0.1s to 1h.
 LAG_BUCKETS = (0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120, 300, 600, 1800, 3600)
 # `state` label values: the lock being held, and every problem `consulrun status` can report.
-STATES = ("held", "unhealthy", "missed", "future", "overdue", "failed", "lost", "abandoned")
-OUTCOMES = {"lost": "lost", "abandoned": "abandoned"}
+STATES = ("held", "unhealthy", "missed", "future", "skew", "overdue", "failed", "lost", "abandoned")
+OUTCOMES = {"lost": "lost", "abandoned": "abandoned", "missed": "missed"}
 REFRESH_S = 15.0  # a blocking query returns at least this often, so missed/overdue follow the clock
 MAX_BACKOFF_S = 30.0
 
@@ -55,7 +55,8 @@ def _ts(text: Any) -> float | None:
 
 
 def outcome_of(row: dict[str, Any]) -> str | None:
-    """success | failed | lost | abandoned for a finished run, None for one still running."""
+    """success | failed | lost | abandoned | missed for a finished run (or a recorded miss), None for one still
+    running."""
     if row["state"] in OUTCOMES:
         return OUTCOMES[row["state"]]
     if row["state"] == "running" or row["exit_status"] is None:
@@ -72,7 +73,8 @@ class ClusterMetrics:
         self.grace_s = grace_s
         self.registry = CollectorRegistry()
         self.runs = Counter("consulrun_job_runs", "Finished runs seen in the jobs' history, by outcome "
-                            "(success, failed, lost, abandoned).", ["job_name", "outcome"], registry=self.registry)
+                            "(success, failed, lost, abandoned; missed: an occurrence recorded as run nowhere).",
+                            ["job_name", "outcome"], registry=self.registry)
         self.lag = Histogram("consulrun_job_schedule_lag_seconds", "Job start minus its scheduled occurrence, "
                              "per attempt (a takeover's attempt included).", ["job_name"], buckets=LAG_BUCKETS,
                              registry=self.registry)
@@ -164,6 +166,10 @@ class ClusterMetrics:
             "paused": GaugeMetricFamily("consulrun_job_paused_since_timestamp_seconds",
                                         "When the pause in force began (`consulrun pause`); absent for a job "
                                         "that is not paused.", labels=["job_name"]),
+            "ahead": GaugeMetricFamily("consulrun_job_clock_ahead_seconds",
+                                       "At least how far the clock of the node that wrote the job's occurrence "
+                                       "record is ahead of the exporter's (present only beyond 2s; see `status`'s "
+                                       "skew).", labels=["job_name", "node"]),
             "health": GaugeMetricFamily("consulrun_job_health",
                                         "`consulrun status` verdict for the job, as its exit status: 0 ok, 1 last "
                                         "run failed/lost/abandoned, 3 missed, 4 overdue, 5 holder unhealthy.",
@@ -181,6 +187,9 @@ class ClusterMetrics:
             kinds = {p["kind"] for p in s.problems} | ({"held"} if s.state == "held" else set())
             for state in STATES:
                 families["state"].add_metric([s.job, state], 1.0 if state in kinds else 0.0)
+            for p in s.problems:
+                if p["kind"] == "skew":
+                    families["ahead"].add_metric([s.job, str(p["node"])], float(p["ahead_s"]))
             families["health"].add_metric([s.job], float(int(s.health())))
         yield from families.values()
 

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, Callable
 from consulrun.consul.client import Client, decoded
 from consulrun.errors import ConsulrunError, MalformedValue, PermissionDenied
 from consulrun.manifest import calendar
-from consulrun.protocol import procinfo
+from consulrun.protocol import clockskew, procinfo
 from consulrun.protocol.health import LAST_FIELDS
 from consulrun.protocol.occurrence import future_limit, future_text
 from consulrun.protocol.pause import EPISODES, in_force as pause_in_force, since as pause_skips, value_of as pause_value_of
@@ -36,6 +36,9 @@ if TYPE_CHECKING:  # `run` (the health check of its finish) must not pay for the
     from consulrun.manifest.loader import Job, Manifest
 
 DEFAULT_GRACE_S = 60.0
+# A miss recorded in the history (an occurrence lock-delay kept from every node) is reported this long after its
+# scheduled time, even once later occurrences ran: long enough for a once-a-minute watchdog and a 5-minute check.
+RECORDED_MISS_REPORT_S = 900.0
 UNKNOWN_ACCURACY_S = 60.0  # systemd's AccuracySec= default, assumed when no manifest says better
 
 
@@ -53,7 +56,9 @@ class Health(enum.IntEnum):
 # Most urgent first: a stuck lock explains a missed run, a missed run matters more than a slow one.
 SEVERITY = [Health.HOLDER_UNHEALTHY, Health.MISSED, Health.OVERDUE, Health.LAST_RUN_FAILED]
 # A record in the future ("future") stops every run until it is removed: as good as missed.
+# A node's clock ahead of ours ("skew") runs occurrences before they are due and jumps over one: as good as missed.
 PROBLEM_HEALTH = {"unhealthy": Health.HOLDER_UNHEALTHY, "missed": Health.MISSED, "future": Health.MISSED,
+                  "skew": Health.MISSED,
                   "overdue": Health.OVERDUE,
                   "failed": Health.LAST_RUN_FAILED, "lost": Health.LAST_RUN_FAILED,
                   "abandoned": Health.LAST_RUN_FAILED}
@@ -232,6 +237,9 @@ def _judge_record(status: JobStatus, record: dict[str, Any], expect: Expectation
     if state in ("lost", "abandoned"):
         reason = (status.last or {}).get("reason") or "no reason recorded"
         status.problem(state, f"{which_run(record)} was {state}: {reason}", occurrence=record.get("occurrence"))
+    elif state == "missed":
+        status.problem("missed", f"occurrence {record.get('occurrence')} ran on no node: "
+                                 f"{record.get('reason') or 'no reason recorded'}", occurrence=record.get("occurrence"))
     elif record.get("exit_status") not in (None, 0):
         status.problem("failed", f"{which_run(record, 'last run')} exited {record['exit_status']}",
                        occurrence=record.get("occurrence"))
@@ -333,8 +341,51 @@ def judge_job(name: str, keys: dict[str, dict[str, Any]], manifest: Manifest | N
         expect = replace(expect, schedules=()) if expect else None
     if record:
         _judge_record(status, record, expect, now)
+        lead = clockskew.ahead_of_us(record, now)
+        if lead and not any(p["kind"] == "future" for p in status.problems):  # beyond the allowed skew: said
+            status.problem("skew", clockskew.note(record, lead), node=clockskew.writer(record), ahead_s=round(lead, 1),
+                           occurrence=record.get("occurrence"))
+    _clock_findings(status, keys, now)
+    _recorded_misses(status, keys, record, now)
     _overdue_holders(status, expect, now)
     return status
+
+
+def _clock_findings(status: JobStatus, keys: dict[str, dict[str, Any]], now: datetime) -> None:
+    """Fresh findings the nodes recorded about each other's clocks (protocol/clockskew.py): a node they found
+    ahead stays reported while they keep finding it, not only while its latest record is young."""
+    named = {p["node"] for p in status.problems if p["kind"] == "skew"}
+    for key, entry in sorted(keys.items()):
+        parts = key.split("/")
+        if len(parts) != 3 or parts[0] != "clock" or parts[1] in named:
+            continue
+        value = decoded(entry)
+        at, ahead = parse_time(value.get("at")), value.get("ahead_s")
+        if at is None or not isinstance(ahead, (int, float)) or isinstance(ahead, bool) or ahead <= 0 \
+                or abs((now - at).total_seconds()) > clockskew.FINDING_FRESH_S:
+            continue
+        named.add(parts[1])
+        status.problem("skew", f"{parts[1]}'s clock was found at least {ahead:.0f}s ahead of {parts[2]}'s at "
+                               f"{at:%H:%M:%S} UTC (by {parts[2]}'s clock), in its record of occurrence "
+                               f"{value.get('occurrence')}",
+                       node=parts[1], ahead_s=float(ahead), occurrence=value.get("occurrence"))
+
+
+def _recorded_misses(status: JobStatus, keys: dict[str, dict[str, Any]], record: dict[str, Any] | None,
+                     now: datetime) -> None:
+    """Misses recorded in the history within RECORDED_MISS_REPORT_S, other than the live record's (judged above):
+    the next occurrence running on time must not hide the one that ran nowhere."""
+    current = (record or {}).get("occurrence")
+    for key, entry in sorted(keys.items()):
+        if not key.startswith("history/") or key.endswith("~manual"):
+            continue
+        value = decoded(entry)
+        when = parse_time(value.get("occurrence"))
+        if value.get("state") != "missed" or value.get("occurrence") == current or when is None \
+                or (now - when).total_seconds() > RECORDED_MISS_REPORT_S:
+            continue
+        status.problem("missed", f"occurrence {value['occurrence']} ran on no node: "
+                                 f"{value.get('reason') or 'no reason recorded'}", occurrence=value["occurrence"])
 
 
 def collect(client: Client, prefix: str, manifest: Manifest | None, *, only: tuple[str, ...] = (),
@@ -420,7 +471,7 @@ def table(statuses: list[JobStatus], now: datetime) -> list[list[str]]:
         if last:
             took = f" in {span(last['duration_s'])}" if last.get("duration_s") is not None else ""
             code = f"exit {last['exit_status']}" if last.get("exit_status") is not None else (last.get("state") or "")
-            if last.get("state") in ("lost", "abandoned", "running"):
+            if last.get("state") in ("lost", "abandoned", "running", "missed"):
                 code = last["state"]
             result = f"{code}{took}" + (f" on {last['node']}" if last.get("node") else "") + \
                 (" (takeover)" if last.get("takeover") else "")

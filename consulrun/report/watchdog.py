@@ -28,7 +28,7 @@ log = logging.getLogger("consulrun")
 
 _RANK = {PASSING: 0, WARNING: 1, CRITICAL: 2}
 # Problems only a clock (the watchdog) sees; a record's own failure is in its summary already.
-CLOCK_PROBLEMS = ("missed", "future", "overdue", "unhealthy")
+CLOCK_PROBLEMS = ("missed", "future", "skew", "overdue", "unhealthy")
 
 
 def _clock_text(problem: dict[str, Any]) -> str:
@@ -36,6 +36,9 @@ def _clock_text(problem: dict[str, Any]) -> str:
     if problem["kind"] == "overdue":
         what = f"occurrence {problem['occurrence']}" if problem.get("occurrence") else "a run"
         return f"overdue: {what} has run longer than the job's timeout"
+    if problem["kind"] == "skew":  # its detail names a lead that shrinks as the record ages
+        return (f"skew: {problem['node']}'s clock is ahead of another node's (the watchdog's, or the one that found "
+                "it) by more than 2s: it claims occurrences before they are due")
     if problem["kind"] == "future":  # its detail names a limit that moves with the clock
         return (f"future: the occurrence record claims {problem['occurrence']}, later than the next occurrence plus "
                 "the allowed clock skew; runs refuse it until it is removed")
