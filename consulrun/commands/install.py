@@ -126,14 +126,35 @@ def _install_bundle(manifest: Path, manifest_name: str | None, **options: Any) -
         _print_report(named(parse_manifest(text, "<stdin>"), manifest_name), templates=Path(folder), **options)
 
 
+def _this_node(loaded: "Manifest", root: Path | None) -> tuple[tuple[str, dict[str, str]] | None, list[str]]:
+    """This node's Consul name and meta when a job's `nodes:` needs them (else None), and why they are not known."""
+    placed = [job.name for job in loaded.jobs if job.placement is not None]
+    if not placed:
+        return None, []
+    if root is not None:
+        return None, [f"an image has no Consul node yet: {', '.join(placed)} installed whatever their nodes: say "
+                      "(a run on a node they do not name skips)"]
+    from consulrun.consul.client import Client
+    from consulrun.consul.client import consul_config as build
+
+    try:  # as the units reach the agent: the manifest being installed chooses where its units send the token
+        kwargs = dict.fromkeys(("http_addr", "token_file", "ca_file", "ca_path", "client_cert", "client_key",
+                                "tls_server_name"))
+        return Client(build({**kwargs, "trust_manifest_consul": True}, loaded.consul)).node_identity(), []
+    except ConsulrunError as exc:
+        return None, [f"this node's Consul name and meta cannot be read ({exc}): {', '.join(placed)} installed "
+                      "whatever their nodes: say (a run on a node they do not name skips)"]
+
+
 def _print_report(loaded: "Manifest", *, root: Path | None, unit_dir: Path, dry_run: bool, no_start: bool,
                   templates: Path | None, consulrun_path: str) -> None:
     from consulrun.units.install import install_local
 
+    node, unknown = _this_node(loaded, root)
     report = install_local(loaded, root=root, unit_dir=unit_dir, dry_run=dry_run, start=not no_start,
                            templates=templates, consulrun_path=consulrun_path,
-                           consulrun_path_given=_consulrun_path_given())
-    for line in report.warnings:
+                           consulrun_path_given=_consulrun_path_given(), node=node)
+    for line in unknown + report.warnings:
         click.echo(f"warning: {line}", err=True)
     click.echo("".join(report.diff), nl=False)
     for line in report.lines:

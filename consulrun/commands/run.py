@@ -55,13 +55,19 @@ class _RunCommand(click.Command):
 @click.option("--pass-consul-token", is_flag=True,
               help="Leave CONSUL_HTTP_TOKEN, CONSUL_HTTP_TOKEN_FILE and CONSUL_HTTP_AUTH in the job's environment "
                    "(by default the job gets none of them).")
+@click.option("--node-meta", "node_meta", multiple=True, metavar="KEY=VALUE",
+              help="Run only on a node whose Consul node meta has KEY=VALUE (repeatable: every pair); elsewhere "
+                   "skip without a write. The turns rank only such nodes.")
+@click.option("--node-name", "node_names", multiple=True, metavar="GLOB",
+              help="Run only on a node whose Consul node name matches GLOB (repeatable: any of them).")
 @agent_options
 @click.argument("job")
 @click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
 def run(job: str, command: tuple[str, ...], prefix: str, ttl: int, lock_delay: int, checks: tuple[str, ...],
         wait: int, concurrency: int, skip_exit_code: int, schedules: tuple[str, ...], on_holder_loss: str,
         history: int, ping_url: str | None, health_check: bool, pass_consul_token: bool, timeout: int | None,
-        skip_when_stopped: bool, **consul: str | None) -> None:
+        skip_when_stopped: bool, node_meta: tuple[str, ...], node_names: tuple[str, ...],
+        **consul: str | None) -> None:
     """Run COMMAND for JOB on this node only if this node gets JOB's Consul lock.
 
     \b
@@ -82,4 +88,5 @@ def run(job: str, command: tuple[str, ...], prefix: str, ttl: int, lock_delay: i
     start(job, command, prefix=prefix, ttl=ttl, lock_delay=lock_delay, checks=checks, wait=wait,
           concurrency=concurrency, skip_exit_code=skip_exit_code, schedules=schedules, on_holder_loss=on_holder_loss,
           history=history, ping_url=ping_url, health_check=health_check, pass_consul_token=pass_consul_token,
-          timeout=timeout, skip_when_stopped=skip_when_stopped, **consul)
+          timeout=timeout, skip_when_stopped=skip_when_stopped, node_meta=node_meta, node_names=node_names,
+          **consul)

@@ -93,6 +93,8 @@ OPTIONS: dict[str, tuple[str, Callable[[str], Any] | None, Any, bool, str | None
     "--pass-consul-token": ("pass_consul_token", None, False, False, None),
     "--timeout": ("timeout", _duration((1, DURATION_MAX_MS)), None, False, None),
     "--skip-when-stopped": ("skip_when_stopped", None, False, False, None),
+    "--node-meta": ("node_meta", _text, (), True, None),
+    "--node-name": ("node_names", _text, (), True, None),
     "--http-addr": ("http_addr", _text, None, False, "CONSUL_HTTP_ADDR"),
     "--token-file": ("token_file", _text, None, False, "CONSUL_HTTP_TOKEN_FILE"),
     "--ca-file": ("ca_file", _text, None, False, "CONSUL_CACERT"),
@@ -181,7 +183,8 @@ def main(args: list[str]) -> None:
 def start(job: str, command: tuple[str, ...], prefix: str, ttl: int, lock_delay: int, checks: tuple[str, ...],
           wait: int, concurrency: int, skip_exit_code: int, schedules: tuple[str, ...], on_holder_loss: str,
           history: int, ping_url: str | None, health_check: bool, pass_consul_token: bool = False,
-          timeout: int | None = None, skip_when_stopped: bool = False, **consul: str | None) -> NoReturn:
+          timeout: int | None = None, skip_when_stopped: bool = False, node_meta: tuple[str, ...] = (),
+          node_names: tuple[str, ...] = (), **consul: str | None) -> NoReturn:
     """Check what the options cannot check alone, then run the job under its lock and exit with its status."""
     problem = None if job == WATCHDOG_JOB else name_problem(job)  # the watchdog's own lock is one to run
     if problem:
@@ -206,18 +209,39 @@ def start(job: str, command: tuple[str, ...], prefix: str, ttl: int, lock_delay:
                          "write consulrun run [OPTIONS] JOB -- COMMAND [ARG]...")
     if not command:
         raise UsageError("no command given: consulrun run JOB -- COMMAND [ARG]...")
+    placement = _placement(node_meta, node_names) if node_meta or node_names else None
     from consulrun.consul.client import consul_config
     from consulrun.protocol.lock import LockSpec
     from consulrun.protocol.runner import RunRequest, run as run_job
 
     spec = LockSpec(job=job, prefix=prefix, ttl_ms=ttl, lock_delay_ms=lock_delay, checks=checks, wait_ms=wait,
-                    concurrency=concurrency)
+                    concurrency=concurrency, placement=placement)
     setup_logging()
     request = RunRequest(spec=spec, command=command, skip_exit_code=skip_exit_code, schedules=schedules,
                          on_holder_loss=on_holder_loss, history=history, ping_url=ping_url,
                          health_check=health_check, pass_consul_token=pass_consul_token, timeout_ms=timeout,
                          skip_when_stopped=skip_when_stopped)
     sys.exit(run_job(request, consul_config(consul)))
+
+
+def _placement(node_meta: tuple[str, ...], node_names: tuple[str, ...]) -> Any:
+    """The manifest's `nodes:` as `run` takes it, checked as the schema checks it."""
+    import re
+
+    from consulrun.manifest.placement import Placement
+
+    pairs = []
+    for given in node_meta:
+        key, equals, value = given.partition("=")
+        if not equals or not re.fullmatch(r"[A-Za-z0-9_-]{1,128}", key) or len(value) > 512 or \
+                any(ord(c) < 0x20 or ord(c) == 0x7F for c in value):
+            raise UsageError(f"--node-meta: {given[:80]!r} is not KEY=VALUE (KEY: 1-128 of A-Za-z0-9_-; VALUE: "
+                             "at most 512 characters, no control characters)")
+        pairs.append((key, value))
+    for glob in node_names:
+        if not glob or len(glob) > 128 or any(c.isspace() or ord(c) < 0x20 or ord(c) == 0x7F for c in glob):
+            raise UsageError(f"--node-name: {glob[:80]!r} is not a node name glob (1-128 characters, no whitespace)")
+    return Placement(meta=tuple(sorted(pairs)), names=tuple(node_names))
 
 
 def setup_logging() -> None:

@@ -435,8 +435,27 @@ class Client:
         return int(headers.get("x-consul-index") or 0), (None if code == 404 else json.loads(text))
 
     def node_name(self) -> str:
+        return self.node_identity()[0]
+
+    def node_identity(self) -> tuple[str, dict[str, str]]:
+        """The local agent's node name and node meta: one read the agent answers itself."""
         with self._translated("reading the local agent's node name"):
-            return self._json("GET", "/v1/agent/self")[1]["Config"]["NodeName"]
+            answer = self._json("GET", "/v1/agent/self")[1]
+            return answer["Config"]["NodeName"], {str(k): str(v) for k, v in (answer.get("Meta") or {}).items()}
+
+    def node_metas(self) -> tuple[dict[str, dict[str, str]], bool]:
+        """Every catalog node's meta by node name (a stale read: any server answers, no leader needed), and whether
+        the token's ACLs hid some nodes."""
+        with self._translated("listing the catalog's nodes"):
+            code, headers, text = self._call("GET", "/v1/catalog/nodes", [("stale", "")])
+            return ({n["Node"]: {str(k): str(v) for k, v in (n.get("Meta") or {}).items()} for n in json.loads(text)},
+                    _acl_filtered(headers))
+
+    def failing_nodes(self) -> set[str]:
+        """The nodes whose serfHealth check is critical (their agent is gone or unreachable), by a stale read."""
+        with self._translated("listing the critical checks"):
+            checks = self._json("GET", "/v1/health/state/critical", [("stale", "")])[1] or []
+            return {c["Node"] for c in checks if c.get("CheckID") == "serfHealth"}
 
     def alive_members(self) -> tuple[list[tuple[str, bool]], bool]:
         """The members the local agent's gossip sees alive, as (name, is a server), and whether the ACL token hid

@@ -38,6 +38,7 @@ from consulrun.manifest.durations import (
     range_text,
     unit_hint,
 )
+from consulrun.manifest.placement import Placement
 from consulrun.manifest.schema import SCHEMA, conforms, schedule_problem
 from consulrun.manifest.yamlsource import LimitError, Located, explain, load
 
@@ -82,6 +83,7 @@ class Job:
     ping_url: str | None = None
     pass_consul_token: bool = False  # the job's environment keeps the wrapper's CONSUL_HTTP_TOKEN(_FILE)
     hardening: str = "none"  # a sandbox preset (manifest.hardening), written before service_settings
+    placement: Placement | None = None  # `nodes:`: which Consul nodes may run it (None: any)
 
 
 @dataclass(frozen=True)
@@ -143,6 +145,12 @@ def _shown(value: Any) -> str:
     return text if len(text) <= 80 else text[:60] + f"... ({len(value) if isinstance(value, str) else len(text)} characters)"
 
 
+def _placement(nodes: dict[str, Any] | None) -> Placement | None:
+    if not nodes:
+        return None
+    return Placement(meta=tuple(sorted(nodes.get("meta", {}).items())), names=tuple(nodes.get("names", ())))
+
+
 def _schema_problem(err: jsonschema.ValidationError, problems: _Problems) -> None:
     path = tuple(err.absolute_path)
     kind = err.validator
@@ -188,7 +196,7 @@ def _schema_problem(err: jsonschema.ValidationError, problems: _Problems) -> Non
         else:
             problems.add(path, f"must be between {low} and {high}, not {err.instance}")
     elif kind == "minProperties":
-        problems.add(path, "must define at least one job")
+        problems.add(path, schema.get("x-empty", "must define at least one job"))
     elif kind in ("minItems", "minLength"):
         problems.add(path, "must not be empty")
     elif kind == "maxLength":
@@ -402,6 +410,7 @@ def _build(source: str, data: dict[str, Any], problems: _Problems) -> Manifest:
             ping_url=raw.get("ping_url", defaults.get("ping_url")),
             pass_consul_token=raw.get("pass_consul_token", False),
             hardening=raw.get("hardening", defaults.get("hardening", "none")),
+            placement=_placement(raw.get("nodes", defaults.get("nodes"))),
         ))
     return Manifest(
         source=source,

@@ -45,6 +45,8 @@ TYPE_CHECKING = False  # typing's own flag without importing typing on every run
 if TYPE_CHECKING:
     from typing import Any, Callable
 
+    from consulrun.manifest.placement import Placement
+
 log = logging.getLogger("consulrun")
 
 @record
@@ -56,6 +58,7 @@ class LockSpec:
     checks: tuple[str, ...] = ()
     wait_ms: int = 0
     concurrency: int = 1
+    placement: Placement | None = None  # the nodes that may run the job (the manifest's `nodes:`); None: any
 
     @property
     def base(self) -> str:
@@ -190,6 +193,17 @@ class Locker:
         if self.node is None:
             self.node = self.client.node_name()
         return self.node
+
+    def placement_refusal(self) -> str | None:
+        """Why this node may not run the job (its `nodes:` names other nodes), or None; names the node for the
+        lock on the way (the same read of the local agent)."""
+        placement = self.spec.placement
+        if placement is None:
+            return None
+        self.node, meta = self.client.node_identity()
+        if placement.matches(self.node, meta):
+            return None
+        return f"this node ({printable(self.node)}) is not one the job runs on (nodes: {placement.describe()})"
 
     def _create_session(self) -> str:
         self.node_name()

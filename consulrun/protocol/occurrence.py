@@ -398,6 +398,18 @@ def _turn(locker: Locker, ledger: Ledger, occ: Occurrence) -> float:
                                    "turns with the others: it claims at once")
         return 0.0
     me = locker.node_name()
+    placement = locker.spec.placement
+    if placement is not None:  # only the nodes that may run the job take turns for it
+        metas: dict[str, dict[str, str]] = {}
+        if placement.needs_meta():
+            try:
+                metas, hidden_nodes = locker.client.node_metas()
+            except ConsulrunError as exc:
+                locker.say_waiting("rank", f"the catalog's nodes cannot be listed ({exc}), so this node does not "
+                                           "take turns with the others: it claims at once")
+                return 0.0
+            hidden = hidden or hidden_nodes
+        members = [(name, server) for name, server in members if placement.matches(name, metas.get(name, {}))]
     kinds = dict(members)
     if hidden or me not in kinds:  # an order this node cannot see whole would not be the others' order
         why = ("its ACL token needs node:read on every node" if hidden

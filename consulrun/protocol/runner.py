@@ -289,6 +289,9 @@ def _acquire_with_retries(request: RunRequest, locker: Locker) -> tuple[Held | N
     backoff = 0.25
     while True:
         try:
+            refusal = locker.placement_refusal()  # one read of the local agent, no write
+            if refusal:
+                return None, None, None, refusal
             if not request.schedules:
                 held, why = locker.acquire()
                 return held, None, None, why

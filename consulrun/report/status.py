@@ -61,7 +61,8 @@ PROBLEM_HEALTH = {"unhealthy": Health.HOLDER_UNHEALTHY, "missed": Health.MISSED,
                   "skew": Health.MISSED,
                   "overdue": Health.OVERDUE,
                   "failed": Health.LAST_RUN_FAILED, "lost": Health.LAST_RUN_FAILED,
-                  "abandoned": Health.LAST_RUN_FAILED}
+                  "abandoned": Health.LAST_RUN_FAILED,
+                  "unplaced": Health.MISSED}  # no healthy node may run it: its occurrences run nowhere
 
 
 class NoState(ConsulrunError):
@@ -412,11 +413,28 @@ def collect(client: Client, prefix: str, manifest: Manifest | None, *, only: tup
         if name not in found and found:
             probe(client, f"{base}{name}/lock")  # listing hides per-key denials from nobody but us: ask directly
         statuses.append(judge_job(name, found.get(name, {}), manifest, judge, now, grace_s))
+    _unplaced(client, manifest, statuses)
     unknown = [s.job for s in statuses if s.state == "unknown"]
     if unknown:
         raise NoState(f"no such job under {base}: {', '.join(unknown)}"
                       + (" (in neither the manifest nor Consul)" if manifest else " (no state in Consul)"), idx)
     return idx, statuses
+
+
+def _unplaced(client: Client, manifest: Manifest | None, statuses: list[JobStatus]) -> None:
+    """A problem for each job of the manifest whose `nodes:` no healthy catalog node matches (two stale reads,
+    only when a job has `nodes:`)."""
+    placed = {job.name: job.placement for job in (manifest.jobs if manifest else ()) if job.placement is not None}
+    if not placed:
+        return
+    metas, hidden = client.node_metas()
+    failing = client.failing_nodes()
+    healthy = {name: meta for name, meta in metas.items() if name not in failing}
+    for status in statuses:
+        placement = placed.get(status.job)
+        if placement is not None and not any(placement.matches(n, m) for n, m in healthy.items()):
+            status.problem("unplaced", f"no healthy node is one it runs on (nodes: {placement.describe()}"
+                                       + ("; the ACL token hides some nodes" if hidden else "") + ")")
 
 
 def job_holders(client: Client, prefix: str, job: str, malformed_ok: bool = False) -> list[dict[str, Any]]:

@@ -9,6 +9,7 @@ files are put back and systemd reloaded, so the previous set keeps working.
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import os
 import shutil
@@ -180,15 +181,34 @@ class Report:
     diff: list[str] = field(default_factory=list)
 
 
+def placed(manifest: Manifest, node: tuple[str, dict[str, str]] | None) -> tuple[Manifest, list[str]]:
+    """The manifest with only the jobs `node` (its name and meta) may run (`nodes:`), and a line per job left
+    out; all of them when the node is not known."""
+    if node is None:
+        return manifest, []
+    name, meta = node
+    kept, lines = [], []
+    for job in manifest.jobs:
+        if job.placement is not None and not job.placement.matches(name, meta):
+            lines.append(f"not for this node ({name}): {job.name} runs on nodes with {job.placement.describe()}; "
+                         "its units are not installed here")
+        else:
+            kept.append(job)
+    return dataclasses.replace(manifest, jobs=tuple(kept)), lines
+
+
 def install_local(manifest: Manifest, *, root: Path | None, unit_dir: Path, dry_run: bool, start: bool,
-                  templates: Path | None, consulrun_path: str, consulrun_path_given: bool = False) -> Report:
+                  templates: Path | None, consulrun_path: str, consulrun_path_given: bool = False,
+                  node: tuple[str, dict[str, str]] | None = None) -> Report:
     """Render, check, plan and (unless `dry_run`) apply; `root` means an offline install into an image.
-    `consulrun_path_given`: the operator named the path (so an error need not suggest naming one)."""
+    `consulrun_path_given`: the operator named the path (so an error need not suggest naming one). `node`: this
+    node's Consul name and meta, so the jobs whose `nodes:` leave it out get no units here (None: every job)."""
+    manifest, left_out = placed(manifest, node)
     units = render(manifest, consulrun_path, templates)
     target = (root / str(unit_dir).lstrip("/")) if root else unit_dir
     check_consulrun(consulrun_path, root, given=consulrun_path_given)
     the_plan = plan(units, target, owner(manifest))
-    report = Report()
+    report = Report(lines=left_out)
     if root is None and (dry_run or not the_plan.empty):  # a dry run is the time to hear it, too
         report.warnings += agent_warnings(manifest.consul.address)
     report.warnings += guarantee_warnings(manifest)

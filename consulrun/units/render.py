@@ -97,6 +97,8 @@ def run_argv(manifest: Manifest, job: Job, consulrun_path: str) -> list[str]:
         argv += ["--pass-consul-token"]
     if job.timeout_ms:
         argv += ["--timeout", format_duration(job.timeout_ms)]
+    if job.placement:
+        argv += job.placement.argv()
     argv += ["--skip-when-stopped"]  # a standby stopped is no failure: it ran nothing (no OnFailure=)
     return argv + [job.name, "--", *job.command]
 

@@ -162,8 +162,10 @@ class Cluster:
             agent.stop()
 
 
-def start_cluster(binary: str, workdir: Path, network: Any, clients: int = 2) -> Cluster:
-    """Start `node1` (server) and `node2..` (clients); each agent's HTTP API also listens on its own loopback."""
+def start_cluster(binary: str, workdir: Path, network: Any, clients: int = 2,
+                  node_meta: dict[str, dict[str, str]] | None = None) -> Cluster:
+    """Start `node1` (server) and `node2..` (clients); each agent's HTTP API also listens on its own loopback.
+    `node_meta`: each named node's Consul node meta."""
     agents: list[Agent] = []
     server_ip = network.address(0)
     try:
@@ -178,6 +180,8 @@ def start_cluster(binary: str, workdir: Path, network: Any, clients: int = 2) ->
                 "log_level": "debug", "disable_update_check": True, "ui_config": {"enabled": index == 0},
                 "performance": {"raft_multiplier": 1}, **_FAST_GOSSIP,
             }
+            if (node_meta or {}).get(name):
+                config["node_meta"] = node_meta[name]  # type: ignore[index]
             if index == 0:
                 config.update({"server": True, "bootstrap_expect": 1})
             else:
