@@ -84,7 +84,8 @@ def _keys(node: dict, path: str, out: set[str]) -> set[str]:
         else:
             _keys(sub, path + name + ".", out)
     if node.get("patternProperties") or isinstance(node.get("additionalProperties"), dict):
-        if node.get("type") == "object" and "environment" not in path:
+        # Free-form maps (a job's environment, the node meta it asks for) have one row, not a row per name.
+        if node.get("type") == "object" and not path.endswith(("environment.", "nodes.meta.")):
             child = "<name>" if path == "jobs." else "<Setting>"
             out.add(path + child)
             sub = next(iter(node.get("patternProperties", {}).values()), node.get("additionalProperties"))
