@@ -34,6 +34,9 @@ def cluster(consul_bin: str, tmp_path_factory: pytest.TempPathFactory) -> Iterat
     try:
         started = start_cluster(consul_bin, tmp_path_factory.mktemp("placement"), network, clients=3,
                                 node_meta=META)
+        # The leader registers a joining node without its meta; the node's own anti-entropy sync adds it.
+        wait_for(lambda: all(node["Meta"].get("role") == META[node["Node"]]["role"]
+                             for node in started.server.get("catalog/nodes")), 90, "every node's meta in the catalog")
         yield started
     finally:
         if started:
