@@ -145,3 +145,15 @@ def test_a_bad_node_meta_option_is_a_usage_error() -> None:
                         (["--node-name", "a b"], "--node-name: 'a b' is not a node name glob")):
         code, _, err = finish(consulrun("run", *args, "j", "--", "true"))
         assert (code, err.strip()) == (2, f"Error: {words}" + err.strip().split(words, 1)[1]), err
+
+
+def test_the_exporter_says_unplaced(cluster: Cluster, tmp_path: Path) -> None:
+    manifest = tmp_path / "jobs.yaml"
+    manifest.write_text(f"jobs:\n  nowhere2: {{command: ['true'], schedule: '{DAILY}', nodes: {{meta: {{role: cache}}}}}}\n")
+    agent = cluster.server
+    env = {"CONSUL_HTTP_ADDR": agent.http_addr}
+    assert finish(consulrun("pause", str(manifest), "nowhere2", netns=agent.netns, env=env))[0] == 0  # some state
+    code, out, err = finish(consulrun("exporter", str(manifest), "--textfile", "-", netns=agent.netns,
+                                      env={"CONSUL_HTTP_ADDR": agent.http_addr}))
+    assert code == 0, err
+    assert 'consulrun_job_state{job_name="nowhere2",state="unplaced"} 1.0' in out, out

@@ -424,7 +424,9 @@ def collect(client: Client, prefix: str, manifest: Manifest | None, *, only: tup
 def _unplaced(client: Client, manifest: Manifest | None, statuses: list[JobStatus]) -> None:
     """A problem for each job of the manifest whose `nodes:` no healthy catalog node matches (two stale reads,
     only when a job has `nodes:`)."""
-    placed = {job.name: job.placement for job in (manifest.jobs if manifest else ()) if job.placement is not None}
+    # (The watchdog's jobs carry no placement: it judges the rest, and status and the exporter judge this.)
+    placed = {job.name: job.placement for job in (manifest.jobs if manifest else ())
+              if getattr(job, "placement", None) is not None}
     if not placed:
         return
     metas, hidden = client.node_metas()
