@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from consulrun.protocol.stops import own_unit
+from consulrun.protocol.procinfo import own_unit
 
 
 @pytest.mark.parametrize(("cgroup", "unit"), [

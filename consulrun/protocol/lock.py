@@ -33,6 +33,7 @@ from consulrun.protocol.fencing import Fencing
 from consulrun.protocol.procinfo import (
     boot_id,
     hold_marker,
+    own_unit,
     pid_namespace,
     process_start,
     provably_dead,
@@ -107,18 +108,6 @@ def now_iso() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="seconds").replace("+00:00", "Z")
 
 
-def _systemd_unit() -> str | None:
-    try:
-        with open("/proc/self/cgroup", encoding="utf-8") as handle:
-            for line in handle:
-                leaf = line.strip().rsplit("/", 1)[-1]
-                if leaf.endswith(".service"):
-                    return leaf
-    except OSError:
-        pass
-    return None
-
-
 def _invocation_id() -> str | None:
     """The id systemd gave this run of the unit (journald tags the run's lines with it; `consulrun logs` finds
     them by it); None outside systemd, or if INVOCATION_ID is not one (32 hex digits), which every reader refuses."""
@@ -185,7 +174,7 @@ class Locker:
         value = {"job": self.spec.job, "node": self.node, "host": socket.gethostname(), "pid": os.getpid(),
                  "pid_start": process_start(os.getpid()), "boot_id": boot_id(), "pid_ns": pid_namespace(),
                  "time_ns": time_namespace(),
-                 "unit": _systemd_unit(), "invocation_id": _invocation_id(), "started": now_iso(),
+                 "unit": own_unit(), "invocation_id": _invocation_id(), "started": now_iso(),
                  "session": self.session, "consulrun_version": __version__}
         return {k: v for k, v in value.items() if v is not None}
 

@@ -20,6 +20,7 @@ import re
 import subprocess
 
 from consulrun.errors import ExitCode
+from consulrun.protocol.procinfo import own_unit
 
 UNAVAILABLE = str(int(ExitCode.CONSUL_UNAVAILABLE))
 TOLD = "running the on_failure command"  # the end of the handler's line for a failure it tells
@@ -82,22 +83,9 @@ def journal_lines(*units: str) -> list[str]:
     return lines
 
 
-def _own_unit() -> str | None:
-    """The systemd unit this process runs in (the handler's `<prefix>-onfailure@JOB.service`), from its cgroup."""
-    try:
-        with open("/proc/self/cgroup", encoding="utf-8") as handle:
-            for line in handle:
-                leaf = line.strip().rsplit("/", 1)[-1]
-                if leaf.endswith(".service"):
-                    return leaf
-    except OSError:
-        pass
-    return None
-
-
 def already_told(job: str, unit: str, status: str) -> str | None:
     """For a run that exited 69: when its outage was told already (then the handler keeps quiet); else None."""
-    own = _own_unit()
+    own = own_unit()
     if status != UNAVAILABLE or own is None:
         return None
     return outage_told(job, journal_lines(unit, own))

@@ -22,7 +22,7 @@ import time
 
 TYPE_CHECKING = False  # typing's own flag without importing typing on every run
 if TYPE_CHECKING:
-    from typing import Any
+    from typing import Any, Callable
 
 BOOT_ID_PATH = "/proc/sys/kernel/random/boot_id"
 
@@ -172,3 +172,18 @@ def marker_held(session: str) -> bool:
     finally:
         sock.close()
     return False
+
+
+def own_unit(read: Callable[[], str] | None = None) -> str | None:
+    """The systemd unit this process runs in (from /proc/self/cgroup), or None outside a service."""
+    try:
+        text = read() if read else open("/proc/self/cgroup", encoding="utf-8").read()  # noqa: SIM115
+    except OSError:
+        return None
+    lines = text.splitlines()
+    # systemd's own hierarchy (v2's `0::`, or v1's `name=systemd`) places the process; a controller may lag.
+    for line in [x for x in lines if x.startswith("0::") or ":name=systemd:" in x] or lines:
+        for part in reversed(line.rsplit(":", 1)[-1].split("/")):
+            if part.endswith(".service"):
+                return part
+    return None

@@ -23,10 +23,10 @@ from __future__ import annotations
 import logging
 import signal
 
+from consulrun.protocol.procinfo import own_unit
+
 TYPE_CHECKING = False  # typing's own flag without importing typing on every run
 if TYPE_CHECKING:
-    from typing import Callable
-
     from consulrun.protocol.child import Job
 
 log = logging.getLogger("consulrun")
@@ -74,21 +74,6 @@ class JobTimeout:
         if not self.expired:
             return self.term_at - now
         return self.kill_at - now if not self.killed else 3600.0
-
-
-def own_unit(read: Callable[[], str] | None = None) -> str | None:
-    """The systemd unit this process runs in (from /proc/self/cgroup), or None outside a service."""
-    try:
-        text = read() if read else open("/proc/self/cgroup", encoding="utf-8").read()  # noqa: SIM115
-    except OSError:
-        return None
-    lines = text.splitlines()
-    # systemd's own hierarchy (v2's `0::`, or v1's `name=systemd`) places the process; a controller may lag.
-    for line in [x for x in lines if x.startswith("0::") or ":name=systemd:" in x] or lines:
-        for part in reversed(line.rsplit(":", 1)[-1].split("/")):
-            if part.endswith(".service"):
-                return part
-    return None
 
 
 def _show(*args: str) -> dict[str, str]:
