@@ -16,6 +16,7 @@ from consulrun.manifest import calendar
 from consulrun.manifest.durations import format_duration
 from consulrun.manifest.loader import Job, Manifest
 from consulrun.protocol.fencing import start_backstop_ms
+from consulrun.protocol.retries import RetryPolicy
 from consulrun.protocol.turns import turn_at_most_s
 
 LOOK_AHEAD = 200  # occurrences examined for the densest gap (a daily spec with one dense day, DST)
@@ -43,7 +44,10 @@ def start_timeout_ms(job: Job) -> int | None:
         return None
     return start_backstop_ms(job.timeout_ms, job.lock.lock_delay_ms, job.lock.ttl_ms, job.lock.wait_ms,
                              job.timer.accuracy_ms + job.timer.randomized_delay_ms, turn_ms(None),
-                             retry=job.on_holder_loss == "retry" and job.lock.concurrency == 1)
+                             retry=job.on_holder_loss == "retry" and job.lock.concurrency == 1,
+                             attempts=job.retries.attempts, backoffs_ms=RetryPolicy(
+                                 job.retries.attempts, job.retries.backoff_ms, job.retries.max_backoff_ms
+                             ).total_backoff_ms())
 
 
 def densest_gap_ms(specs: list[str], start: datetime) -> int | None:
