@@ -55,7 +55,10 @@ def _ts(text: Any) -> float | None:
 
 
 def outcome_of(row: dict[str, Any]) -> str | None:
-    """success | failed | lost | abandoned for a finished run, None for one still running."""
+    """success | failed | lost | abandoned for a finished run, None for one still running or for an attempt that
+    was retried (the run's result is its last attempt's)."""
+    if row.get("retried"):
+        return None
     if row["state"] in OUTCOMES:
         return OUTCOMES[row["state"]]
     if row["state"] == "running" or row["exit_status"] is None:
