@@ -1,0 +1,232 @@
+"""Retries of a failed run (`retries:`, `run --attempts`), against a real Consul agent (issue 29, item 1)."""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from consulrun.protocol.retries import ATTEMPTS_MAX, RetryPolicy
+from tests.harness.agents import Agent, wait_for
+from tests.test_health import catalog, checks, register  # noqa: F401 - catalog is a fixture, by name
+from tests.test_notify import monitor  # noqa: F401 - the fixture, by name
+from tests.test_run import consulrun, finish, kv_json
+from tests.test_status import cli
+
+DAILY = "*-*-* 02:00:00"  # the current occurrence is in the past, the next up to a day away: never in the way
+
+
+def counting_job(runs: Path, fail_until: int, code: int = 3) -> list[str]:
+    """A job that appends its attempt to `runs` and exits `code` until its `fail_until`-th run, then 0."""
+    script = (f'echo "$CONSULRUN_ATTEMPT $(date +%s.%N)" >> {runs}; '
+              f'[ "$(wc -l < {runs})" -ge {fail_until} ] && exit 0; exit {code}')
+    return ["sh", "-c", script]
+
+
+def attempts(runs: Path) -> list[tuple[int, float]]:
+    return [(int(a), float(t)) for a, t in (line.split() for line in runs.read_text().splitlines())] \
+        if runs.exists() else []
+
+
+def history(job: str) -> list[dict]:
+    code, out, err = cli("history", job, "--json")
+    assert code == 0, err
+    return json.loads(out)["runs"]
+
+
+# --- the arithmetic --------------------------------------------------------------------------------------------
+
+def test_backoff_doubles_up_to_its_cap_and_attempts_count_the_first_run() -> None:
+    policy = RetryPolicy(attempts=6, backoff_ms=1000, max_backoff_ms=5000)
+    assert [policy.backoff_s(n) for n in range(1, 6)] == [1, 2, 4, 5, 5]
+    assert policy.total_backoff_ms() == 17_000  # the five waits between six attempts
+    assert RetryPolicy(attempts=1).total_backoff_ms() == 0
+    assert RetryPolicy(attempts=ATTEMPTS_MAX, backoff_ms=10**9, max_backoff_ms=10**10).backoff_s(99) == 10**7
+
+
+def test_the_lean_reader_and_click_share_the_attempts_bound() -> None:
+    from consulrun.commands.runargs import ATTEMPTS_MAX as LEAN_MAX
+
+    assert LEAN_MAX == ATTEMPTS_MAX
+
+
+# --- real runs -------------------------------------------------------------------------------------------------
+
+@pytest.mark.consul
+def test_attempts_and_backoff_are_in_history_and_success_ends_the_retries(consul: Agent, tmp_path: Path) -> None:
+    """Fails twice, succeeds on the third of five allowed attempts: three runs, no fourth, the waits growing
+    (1s, then 2s), each attempt a history row with its own exit status; the unit's status is the last one's."""
+    runs = tmp_path / "runs"
+    code, _, err = finish(consulrun("run", "--schedule", DAILY, "--attempts", "5", "--retry-backoff", "1s",
+                                    "--retry-max-backoff", "10s", "flaky", "--", *counting_job(runs, 3)))
+    assert code == 0, err
+    seen = attempts(runs)
+    assert [a for a, _ in seen] == [1, 2, 3], err
+    assert seen[1][1] - seen[0][1] >= 1.0 and seen[2][1] - seen[1][1] >= 2.0, seen
+    assert "attempt 1 of 5 failed (exit status 3); retrying in 1s" in err, err
+    assert "attempt 2 of 5 failed (exit status 3); retrying in 2s" in err, err
+    rows = history("flaky")
+    assert [(r["attempt"], r["exit_status"], r["retried"]) for r in rows] == [(3, 0, False), (2, 3, True),
+                                                                              (1, 3, True)], rows
+    assert [r["retry_after_s"] for r in rows] == [None, 2.0, 1.0]
+    assert len({r["node"] for r in rows}) == 1 and len({r["session"] for r in rows}) == 1  # same node, one lock
+    assert len({r["occurrence"] for r in rows}) == 1
+    record = kv_json(consul, "consulrun/flaky/occurrence")
+    assert record["state"] == "done" and record["attempt"] == 3 and record["exit_status"] == 0
+    code, out, _ = cli("history", "flaky")
+    assert "retried after 2s" in out and "retried after 1s" in out, out
+
+
+@pytest.mark.consul
+def test_never_more_attempts_than_allowed_and_the_last_status_is_the_units(consul: Agent, tmp_path: Path) -> None:
+    runs = tmp_path / "runs"
+    code, _, err = finish(consulrun("run", "--schedule", DAILY, "--attempts", "3", "--retry-backoff", "0s",
+                                    "--retry-max-backoff", "0s", "doomed", "--", *counting_job(runs, 99, code=7)))
+    assert code == 7, err
+    assert [a for a, _ in attempts(runs)] == [1, 2, 3]
+    assert "attempt 3 of 3 failed (exit status 7); no retry: it was the last of 3 attempts" in err, err
+    rows = history("doomed")
+    assert [(r["attempt"], r["exit_status"], r["retried"]) for r in rows] == [(3, 7, False), (2, 7, True),
+                                                                              (1, 7, True)], rows
+    assert rows[0]["retries_ended"] == "it was the last of 3 attempts"
+    # A second run for the same occurrence finds it done: retries never outlive the run that made them.
+    code, _, err = finish(consulrun("run", "--schedule", DAILY, "--attempts", "3", "doomed", "--",
+                                    *counting_job(runs, 99, code=7)))
+    assert code == 0 and "already ran" in err, err
+    assert len(attempts(runs)) == 3
+
+
+@pytest.mark.consul
+def test_a_skip_a_success_and_a_stop_are_never_retried(consul: Agent, tmp_path: Path) -> None:
+    runs = tmp_path / "runs"
+    code, _, err = finish(consulrun("run", "--schedule", DAILY, "--attempts", "4", "--retry-backoff", "0s",
+                                    "once", "--", *counting_job(runs, 1)))
+    assert code == 0 and len(attempts(runs)) == 1 and "retry" not in err, err
+    started = tmp_path / "started"
+    runner = consulrun("run", "--schedule", DAILY, "--attempts", "4", "--retry-backoff", "0s", "stopped", "--",
+                       "sh", "-c", f"echo x >> {runs}2; touch {started}; sleep 60")
+    wait_for(started.exists, 20, "the job")
+    runner.send_signal(signal.SIGTERM)
+    code, _, err = finish(runner)
+    assert code == 128 + signal.SIGTERM, err  # a stop that reached the job: its own status, and no retry
+    assert (tmp_path / "runs2").read_text().count("x") == 1
+    assert "attempt 1 of 4 failed" in err and "stopped by a termination signal" in err, err
+
+
+@pytest.mark.consul
+def test_the_jobs_own_timeout_is_a_failure_that_is_retried(consul: Agent, tmp_path: Path) -> None:
+    runs = tmp_path / "runs"
+    script = f'echo "$CONSULRUN_ATTEMPT $(date +%s.%N)" >> {runs}; [ "$CONSULRUN_ATTEMPT" = 2 ] && exit 0; sleep 60'
+    code, _, err = finish(consulrun("run", "--schedule", DAILY, "--timeout", "1s", "--attempts", "2",
+                                    "--retry-backoff", "0s", "slow", "--", "sh", "-c", script))
+    assert code == 0, err
+    assert [a for a, _ in attempts(runs)] == [1, 2]
+    rows = history("slow")
+    assert rows[1]["retried"] and rows[1]["exit_status"] == 128 + signal.SIGTERM, rows
+
+
+@pytest.mark.consul
+def test_a_signal_during_the_backoff_ends_the_retries_and_the_last_status_stands(consul: Agent,
+                                                                                 tmp_path: Path) -> None:
+    runs = tmp_path / "runs"
+    runner = consulrun("run", "--schedule", DAILY, "--attempts", "5", "--retry-backoff", "5min",
+                       "--retry-max-backoff", "5min", "backingoff", "--", *counting_job(runs, 99, code=4))
+    wait_for(lambda: (kv_json(consul, "consulrun/backingoff/occurrence") or {}).get("attempt") == 2, 20,
+             "the failed attempt recorded and the backoff begun")
+    assert runner.poll() is None
+    during = history("backingoff")
+    assert [(r["attempt"], r["state"]) for r in during] == [(2, "running"), (1, "done")], during
+    code, out, _ = cli("history", "backingoff")
+    assert "retry due" in out, out
+    runner.send_signal(signal.SIGTERM)
+    code, _, err = finish(runner, timeout=30)
+    assert code == 4, err  # the last attempt's status, not 128+15: no job was running to be stopped
+    assert len(attempts(runs)) == 1
+    assert "SIGTERM received during the backoff; no further attempt: attempt 1's exit status 4 stands" in err, err
+    rows = history("backingoff")
+    assert [(r["attempt"], r["exit_status"], r["state"], r["retried"]) for r in rows] == [(1, 4, "done", False)]
+    assert rows[0]["retries_ended"] == "SIGTERM received", rows
+    assert not consul.get("session/list")  # released: the session is gone
+
+
+@pytest.mark.consul
+def test_no_retry_reaches_the_next_occurrence(consul: Agent, tmp_path: Path) -> None:
+    """Every minute, a backoff of two: the retry would come after the next occurrence is due, so it is not made
+    and the line says so."""
+    runs = tmp_path / "runs"
+    code, _, err = finish(consulrun("run", "--schedule", "*-*-* *:*:00", "--attempts", "3", "--retry-backoff", "2min",
+                                    "--retry-max-backoff", "2min", "dense", "--", *counting_job(runs, 99, code=5)))
+    assert code == 5, err
+    assert len(attempts(runs)) == 1
+    assert "attempt 1 of 3 failed (exit status 5); no retry: the next occurrence (" in err, err
+    assert "is due before a retry in 2m" in err, err
+    rows = history("dense")
+    assert len(rows) == 1 and rows[0]["retries_ended"].startswith("the next occurrence"), rows
+
+
+@pytest.mark.consul
+def test_ping_and_health_check_report_the_final_result_only(catalog: Agent, tmp_path: Path,  # noqa: F811
+                                                            monitor: tuple[str, list[str]]) -> None:  # noqa: F811
+    """Attempt 1 fails; while attempt 2 runs, the monitor has had only `/start` and the health check is still
+    as it was (no critical from the failed attempt); at the end, one result ping and a passing check."""
+    url, paths = monitor
+    register(catalog)
+    runs, go = tmp_path / "runs", tmp_path / "go"
+    script = (f'echo "$CONSULRUN_ATTEMPT 0" >> {runs}; [ "$CONSULRUN_ATTEMPT" = 1 ] && exit 3; '
+              f'while [ ! -e {go} ]; do sleep 0.1; done')
+    runner = consulrun("run", "--schedule", DAILY, "--attempts", "3", "--retry-backoff", "0s", "--ping-url", url,
+                       "--health-check", "pinged", "--", "sh", "-c", script)
+    try:
+        wait_for(lambda: len(attempts(runs)) == 2, 20, "the second attempt")
+        time.sleep(0.5)  # a ping for the failed attempt would have been sent by now
+        session = kv_json(catalog, "consulrun/pinged/occurrence")["session"]
+        assert paths == [f"/ping/c0ffee/start?rid={session}"], paths
+        assert checks(catalog).get("pinged", {}).get("Status") != "critical", checks(catalog)
+        go.touch()
+        code, _, err = finish(runner)
+    finally:
+        go.touch()
+        if runner.poll() is None:
+            runner.kill()
+            finish(runner)
+    assert code == 0, err
+    wait_for(lambda: len(paths) >= 2, 10, "the result ping")
+    assert paths == [f"/ping/c0ffee/start?rid={session}", f"/ping/c0ffee?rid={session}"], paths
+    assert checks(catalog)["pinged"]["Status"] == "passing", checks(catalog)
+
+
+@pytest.mark.consul
+def test_the_exporter_counts_the_run_not_its_attempts(consul: Agent, tmp_path: Path) -> None:
+    from consulrun.consul.client import Client, ConsulConfig
+    from consulrun.report.metrics import ClusterMetrics
+
+    runs = tmp_path / "runs"
+    code, _, err = finish(consulrun("run", "--schedule", DAILY, "--attempts", "3", "--retry-backoff", "0s",
+                                    "counted", "--", *counting_job(runs, 3)))
+    assert code == 0, err
+    metrics = ClusterMetrics("consulrun", None)
+    metrics.refresh(Client(ConsulConfig(address=consul.http_addr)))
+    samples = {(s.labels.get("outcome"), s.name): s.value for fam in metrics.runs.collect() for s in fam.samples
+               if s.labels.get("job_name") == "counted" and s.name.endswith("_total")}
+    assert samples == {("success", "consulrun_job_runs_total"): 1.0}, samples
+
+
+@pytest.mark.consul
+def test_a_standby_never_runs_an_attempt_the_holder_retries(consul: Agent, tmp_path: Path) -> None:
+    """Same node, lock kept: under on_holder_loss: retry a second wrapper for the occurrence stands by through
+    the failed attempt and the backoff, sees it running, and never runs it; every attempt is the holder's."""
+    runs = tmp_path / "runs"
+    holder = consulrun("run", "--schedule", DAILY, "--on-holder-loss", "retry", "--attempts", "3",
+                       "--retry-backoff", "2s", "kept", "--", *counting_job(runs, 3))
+    wait_for(lambda: attempts(runs), 20, "the first attempt")
+    standby = consulrun("run", "--schedule", DAILY, "--on-holder-loss", "retry", "--attempts", "3",
+                        "--retry-backoff", "2s", "kept", "--", "sh", "-c", f"echo standby >> {runs}")
+    code, _, err = finish(holder)
+    assert code == 0, err
+    scode, _, serr = finish(standby)
+    assert scode == 0 and "already ran" in serr, serr
+    assert [a for a, _ in attempts(runs)] == [1, 2, 3]
+    assert len({r["session"] for r in history("kept")}) == 1
