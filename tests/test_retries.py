@@ -230,3 +230,88 @@ def test_a_standby_never_runs_an_attempt_the_holder_retries(consul: Agent, tmp_p
     assert scode == 0 and "already ran" in serr, serr
     assert [a for a, _ in attempts(runs)] == [1, 2, 3]
     assert len({r["session"] for r in history("kept")}) == 1
+
+
+# --- the manifest and the units --------------------------------------------------------------------------------
+
+RETRYING = """\
+defaults:
+  retries: {backoff: 30s}
+jobs:
+  report:
+    command: [/usr/bin/report]
+    schedule: daily
+    timeout: 1min
+    retries: {attempts: 3, max_backoff: 1min}
+  plain:
+    command: [/usr/bin/plain]
+    schedule: daily
+    timeout: 1min
+"""
+
+
+def test_generate_passes_the_retries_and_the_backstop_counts_every_attempt_and_backoff(tmp_path: Path) -> None:
+    from consulrun.manifest.loader import parse_manifest
+    from consulrun.protocol.fencing import start_backstop_ms
+    from consulrun.units.guarantees import start_timeout_ms
+    from consulrun.units.render import run_argv
+
+    manifest = parse_manifest(RETRYING, "jobs.yaml")
+    report, plain = (next(j for j in manifest.jobs if j.name == n) for n in ("report", "plain"))
+    assert (report.retries.attempts, report.retries.backoff_ms, report.retries.max_backoff_ms) == (3, 30_000, 60_000)
+    argv = run_argv(manifest, report, "/usr/bin/consulrun")
+    assert argv[argv.index("--attempts"):argv.index("--attempts") + 6] == [
+        "--attempts", "3", "--retry-backoff", "30s", "--retry-max-backoff", "1m"]
+    assert "--attempts" not in run_argv(manifest, plain, "/usr/bin/consulrun")  # no retries: the unit as before
+    one = start_timeout_ms(plain)
+    # Two more attempts (timeout + stop grace each), their backoffs (30s, then 60s), a fencing window each.
+    assert start_timeout_ms(report) - one == 2 * (60_000 + 14_000) + 90_000 + 2 * 15_000
+    assert start_backstop_ms(60_000, 15_000, 15_000, 0, 1_000, 6_000, retry=False) == one
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ("retries: {attempts: 0}", "jobs.j.retries.attempts: must be between 1 and 100, not 0"),
+    ("retries: {attempts: 2, tries: 3}", "jobs.j.retries.tries: unknown key 'tries'"),
+    ("retries: {backoff: 1min, max_backoff: 30s}",
+     "jobs.j.retries.max_backoff: max_backoff (30s) must be at least backoff (1m)"),
+    ("retries: {backoff: 400d}", "jobs.j.retries.backoff: '400d' is out of range"),
+    ("retries: {attempts: 2}\n    lock: {concurrency: 2}",
+     "jobs.j.retries.attempts: retries are of one occurrence, run by one holder: they need lock.concurrency: 1"),
+])
+def test_bad_retries_are_one_positioned_line(text: str, message: str, tmp_path: Path) -> None:
+    path = tmp_path / "jobs.yaml"
+    path.write_text(f"jobs:\n  j:\n    command: [/bin/true]\n    schedule: daily\n    {text}\n")
+    code, _, err = cli("validate", str(path))
+    assert code == 2, err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith(f"Error: {path}:5:") and message in lines[0], err
+
+
+def test_attempts_need_a_schedule(tmp_path: Path) -> None:
+    code, _, err = finish(consulrun("run", "--attempts", "2", "unscheduled", "--", "true"))
+    assert code == 2 and "--attempts retries a scheduled occurrence: it needs --schedule" in err, err
+    code, _, err = finish(consulrun("run", "--schedule", DAILY, "--attempts", "2", "--retry-backoff", "1min",
+                                    "--retry-max-backoff", "1s", "capped", "--", "true"))
+    assert code == 2 and "--retry-max-backoff must be at least --retry-backoff" in err, err
+
+
+@pytest.mark.consul
+def test_a_lock_lost_during_the_backoff_ends_the_retries(consul: Agent, tmp_path: Path) -> None:
+    """The watcher keeps confirming through the backoff: a forced unlock then ends the retries at once (no
+    attempt starts without the lock), and the failed attempt's status stands."""
+    runs = tmp_path / "runs"
+    runner = consulrun("run", "--schedule", DAILY, "--attempts", "3", "--retry-backoff", "5min",
+                       "--retry-max-backoff", "5min", "unlocked", "--", *counting_job(runs, 99, code=6))
+    try:
+        wait_for(lambda: (kv_json(consul, "consulrun/unlocked/occurrence") or {}).get("attempt") == 2, 20,
+                 "the backoff")
+        code, _, err = cli("unlock", "unlocked", "--yes", "--force")
+        assert code == 0, err
+        code, _, err = finish(runner, timeout=30)
+    finally:
+        if runner.poll() is None:
+            runner.kill()
+            finish(runner)
+    assert code == 6, err
+    assert len(attempts(runs)) == 1
+    assert "the lock was lost (the lock was released or taken over" in err and "during the backoff" in err, err

@@ -362,17 +362,20 @@ def _check_retries(problems: _Problems, defaults: dict[str, Any], jobs: dict[str
         if not job:
             continue
         merged = {**base, **block}
+        values = [merged.get(k, d) for k, d in (("backoff", "10s"), ("max_backoff", "5min"))]
         try:
-            backoff, cap = (_ms(merged.get(k, d)) for k, d in (("backoff", "10s"), ("max_backoff", "5min")))
-        except (DurationError, TypeError):
-            continue  # reported above or by the schema
+            backoff, cap = (_ms(v) for v in values) if all(
+                isinstance(v, (str, int)) and not isinstance(v, bool) for v in values) else (0, 0)
+        except DurationError:
+            backoff, cap = 0, 0  # reported above or by the schema
         where = path if block else ("defaults", "retries")
-        if isinstance(merged.get("max_backoff", 0), (str, int)) and cap < backoff:
+        if cap < backoff <= DURATION_MAX_MS:
             problems.add(where + ("max_backoff",) if "max_backoff" in (block or base) else where,
                          f"max_backoff ({format_duration(cap)}) must be at least backoff ({format_duration(backoff)})")
         concurrency = {**(defaults.get("lock") or {}), **(job.get("lock") or {})}.get("concurrency", 1) \
             if isinstance(job.get("lock", {}), dict) and isinstance(defaults.get("lock", {}), dict) else 1
-        if isinstance(merged.get("attempts"), int) and merged["attempts"] > 1 and concurrency != 1:
+        if isinstance(merged.get("attempts"), int) and merged["attempts"] > 1 and isinstance(concurrency, int) \
+                and concurrency > 1:
             problems.add(where + ("attempts",) if "attempts" in (block or base) else where,
                          "retries are of one occurrence, run by one holder: they need lock.concurrency: 1")
 
