@@ -141,6 +141,8 @@ def test_a_signal_during_the_backoff_ends_the_retries_and_the_last_status_stands
     assert [(r["attempt"], r["state"]) for r in during] == [(2, "running"), (1, "done")], during
     code, out, _ = cli("history", "backingoff")
     assert "retry due" in out, out
+    code, out, err = cli("status", "backingoff")
+    assert code == 0 and "retrying (attempt 2) on dev1" in out, (out, err)  # held, healthy, not overdue
     runner.send_signal(signal.SIGTERM)
     code, _, err = finish(runner, timeout=30)
     assert code == 4, err  # the last attempt's status, not 128+15: no job was running to be stopped
