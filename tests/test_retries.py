@@ -317,3 +317,26 @@ def test_a_lock_lost_during_the_backoff_ends_the_retries(consul: Agent, tmp_path
     assert code == 6, err
     assert len(attempts(runs)) == 1
     assert "the lock was lost (the lock was released or taken over" in err and "during the backoff" in err, err
+
+
+@pytest.mark.consul
+def test_a_manual_run_is_retried_and_its_history_entry_holds_every_attempt(consul: Agent, tmp_path: Path) -> None:
+    """A `consulrun trigger` run (the request in the trigger key, the unit not started by its timer) gets the
+    job's retries as an occurrence does: its one `~manual` history entry lists both attempts."""
+    import uuid
+    from datetime import datetime, timezone
+
+    from tests.test_status import put
+
+    at = datetime.now(timezone.utc).isoformat(timespec="seconds").replace("+00:00", "Z")
+    put(consul, "consulrun/asked/trigger", {"id": str(uuid.uuid4()), "by": "op@host", "at": at, "node": "dev1"})
+    runs = tmp_path / "runs"
+    code, _, err = finish(consulrun("run", "--schedule", DAILY, "--attempts", "3", "--retry-backoff", "0s", "asked",
+                                    "--", *counting_job(runs, 2), env={"TRIGGER_UNIT": ""}))
+    assert code == 0 and "for a manual run asked for by op@host" in err, err
+    assert [a for a, _ in attempts(runs)] == [1, 2]
+    keys = [k for k in (consul.get("kv/consulrun/asked/history/?keys") or [])]
+    assert len(keys) == 1 and keys[0].endswith("~manual"), keys
+    rows = history("asked")
+    assert [(r["attempt"], r["exit_status"], r["retried"], r["manual"]) for r in rows if r["manual"]] == [
+        (2, 0, False, True), (1, 3, True, True)], rows
