@@ -81,7 +81,8 @@ def run(job: str, command: tuple[str, ...], prefix: str, ttl: int, lock_delay: i
 
     The job gets CONSULRUN_JOB, CONSULRUN_SESSION, CONSULRUN_LOCK_KEY and
     CONSULRUN_FENCING_TOKEN (the lock key's ModifyIndex: larger for every later
-    holder, so the job can refuse a stale holder's write) in its environment,
+    holder, so the job can refuse a stale holder's write) and CONSULRUN_ATTEMPT
+    (1, then 2, 3, ... for each retry of --attempts) in its environment,
     and not the wrapper's Consul credentials, CONSUL_HTTP_TOKEN, CONSUL_HTTP_TOKEN_FILE
     and CONSUL_HTTP_AUTH (unless --pass-consul-token). Its own exit status is
     passed through. If the lock cannot be confirmed,
