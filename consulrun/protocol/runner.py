@@ -433,14 +433,21 @@ def _run_held(request: RunRequest, locker: Locker, held: Held, fencing: Fencing,
                 log.info("%s: job exited with status %d", spec.job, status)
             if request.attempts <= 1 or job.alive():
                 return status
-            seen = len(signals.received)
+            seen, cut = len(signals.received), []
+
+            def backoff_ended() -> str | None:
+                why = _backoff_ended(signals, seen, watcher)
+                cut.append(why) if why else None
+                return why
+
             nxt, held, ended = retries.between(
                 policy, locker, ledger, held, claim, outcome, attempt, stopped=bool(signals.received),
-                due=due, ended=lambda: _backoff_ended(signals, seen, watcher), sleep=lambda s: _nap(signals, watcher, s))
+                due=due, ended=backoff_ended, sleep=lambda s: _nap(signals, watcher, s))
             if ended is not None:
                 if ended:
                     outcome = {**outcome, "retries_ended": ended}
-                signals.settle()  # a stop during the backoff ends the retries; the last attempt's status stands
+                if cut:  # a stop during the backoff ended the retries: the last attempt's status stands
+                    signals.settle()
                 return status
             before, claim, attempt = (claim, outcome, status), nxt, attempt + 1
     except NotConfirmed as exc:
