@@ -340,3 +340,17 @@ def test_a_manual_run_is_retried_and_its_history_entry_holds_every_attempt(consu
     rows = history("asked")
     assert [(r["attempt"], r["exit_status"], r["retried"], r["manual"]) for r in rows if r["manual"]] == [
         (2, 0, False, True), (1, 3, True, True)], rows
+
+
+def test_validate_warns_when_the_schedule_leaves_no_room_for_every_attempt(tmp_path: Path) -> None:
+    path = tmp_path / "jobs.yaml"
+    path.write_text("jobs:\n"
+                    "  dense: {command: [/bin/false], schedule: '*:0/5', timeout: 1min,\n"
+                    "          retries: {attempts: 5, backoff: 30s, max_backoff: 2min}}\n"
+                    "  roomy: {command: [/bin/false], schedule: daily, retries: {attempts: 5, backoff: 30s}}\n")
+    code, _, err = cli("validate", str(path))
+    assert code == 0, err
+    # 1m + 30s, then 1m + 1m: the third attempt starts 3m30s in; a fourth would start 6m30s in, past 5m.
+    assert err.splitlines() == ["warning: job dense: retries: occurrences are 5m apart, so at most 3 of the 5 "
+                                "attempts can run before the next occurrence ends the retries (backoff 30s, doubling "
+                                "to 2m, each attempt up to its timeout 1m)"], err
