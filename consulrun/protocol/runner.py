@@ -437,7 +437,8 @@ def _run_held(request: RunRequest, locker: Locker, held: Held, fencing: Fencing,
 
             def backoff_ended() -> str | None:
                 why = _backoff_ended(signals, seen, watcher)
-                cut.append(why) if why else None
+                if why:
+                    cut.append(why)
                 return why
 
             nxt, held, ended = retries.between(
