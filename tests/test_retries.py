@@ -354,3 +354,29 @@ def test_validate_warns_when_the_schedule_leaves_no_room_for_every_attempt(tmp_p
     assert err.splitlines() == ["warning: job dense: retries: occurrences are 5m apart, so at most 3 of the 5 "
                                 "attempts can run before the next occurrence ends the retries (backoff 30s, doubling "
                                 "to 2m, each attempt up to its timeout 1m)"], err
+
+
+@pytest.mark.consul
+def test_the_lock_is_confirmed_again_before_a_retry_starts(consul: Agent, tmp_path: Path) -> None:
+    """The backoff is over and the lock is taken away before the next attempt's fork (a test hook holds the
+    wrapper there): the consistent read before the attempt finds the key no longer this session's, and nothing
+    starts; the failed attempt's status stands."""
+    runs, hooks = tmp_path / "runs", tmp_path / "hooks"
+    hooks.mkdir()
+    runner = consulrun("run", "--schedule", DAILY, "--attempts", "3", "--retry-backoff", "0s", "confirmed", "--",
+                       *counting_job(runs, 99, code=6),
+                       env={"CONSULRUN_TEST_PAUSE": "retry", "CONSULRUN_TEST_HOOK_DIR": str(hooks)})
+    try:
+        wait_for((hooks / "retry").exists, 20, "the wrapper at the retry's start")
+        code, _, err = cli("unlock", "confirmed", "--yes", "--force")
+        assert code == 0, err
+        (hooks / "retry.go").touch()
+        code, _, err = finish(runner, timeout=30)
+    finally:
+        if runner.poll() is None:
+            runner.kill()
+            finish(runner)
+    assert code == 6, err
+    assert len(attempts(runs)) == 1
+    assert "the lock cannot be confirmed before attempt 2 (the key is no longer held by this node's session); no " \
+           "further attempt: the last attempt's exit status 6 stands" in err, err

@@ -376,6 +376,7 @@ def _run_held(request: RunRequest, locker: Locker, held: Held, fencing: Fencing,
             due = retries.next_due(request.schedules, claim)
         while True:
             if before is not None:
+                testhook.pause("retry")
                 try:  # as before the first: a job never starts after another node could have taken over
                     _confirm_before_start(locker, held, watcher, fencing, since=watcher.last_confirmed)
                 except NotConfirmed as exc:
