@@ -107,6 +107,28 @@ def test_checker_finds_a_lost_occurrence_under_retry_only_where_the_condition_ho
     assert len(dense["jobs"]["r"]["lost_with_healthy_node"]) == 1
 
 
+def test_checker_allows_a_holders_retries_up_to_its_attempts_and_no_more(tmp_path: Path) -> None:
+    """Runs of one occurrence under one fencing token are one holder's attempts (retries:): within `attempts`
+    they are no duplicate, even under skip; one more is a violation. Without retries (attempts 1), two runs
+    under one token are already one too many."""
+    retried = [*_run("s", "c1", 100, OCC[0], 10, T0 + 0.5, 5), *_run("s", "c1", 102, OCC[0], 10, T0 + 1.5, 5)]
+    history = sorted([*_fires("s", 0), *retried], key=lambda line: line["t"])
+    assert [v["kind"] for v in _write(tmp_path / "plain", history, [])["violations"]] == ["more attempts than allowed"]
+    out = tmp_path / "retried"
+    _write(out, history, [])
+    meta = json.loads((out / "run.json").read_text())
+    meta["jobs"][0]["attempts"] = 2
+    (out / "run.json").write_text(json.dumps(meta))
+    report = check(out)
+    assert report["violations"] == [] and report["jobs"]["s"]["duplicates"] == []
+    third = _run("s", "c1", 104, OCC[0], 10, T0 + 2.5, 5)
+    (out / "history.log").write_text("".join(json.dumps(line) + "\n" for line in sorted(
+        [*history, *third], key=lambda line: line["t"])))
+    report = check(out)
+    assert [(v["kind"], v["attempts"], v["allowed"]) for v in report["violations"]] == [
+        ("more attempts than allowed", 3, 2)]
+
+
 def _our_namespaces(tag: str) -> list[str]:
     listing = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True).stdout
     return [line.split()[0] for line in listing.splitlines() if line.split() and line.split()[0].endswith("-" + tag)]

@@ -62,7 +62,8 @@ def test_every_command_has_a_page_in_the_nav() -> None:
 # --- the manifest reference against the schema ----------------------------------------------------------------
 
 SCHEMA = json.loads((REPO / "consulrun" / "manifest" / "manifest.schema.json").read_text())
-SECTIONS = {"lock", "timer", "service"}  # documented once, as lock.X, timer.X, service.X, whether in a job or defaults
+# Documented once, as lock.X, timer.X, service.X, retries.X, whether in a job or defaults.
+SECTIONS = {"lock", "timer", "service", "retries"}
 
 
 def _resolve(node: dict) -> dict:

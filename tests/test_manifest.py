@@ -201,7 +201,8 @@ FULL = {
                           "checks": ["mem-ok"]},
                  "timer": {"accuracy": "5s", "randomized_delay": "1s", "persistent": True},
                  "on_holder_loss": "skip", "history": 20, "on_failure": "/usr/bin/logger failed",
-                 "ping_url": "https://hc-ping.com/x"},
+                 "ping_url": "https://hc-ping.com/x",
+                 "retries": {"attempts": 1, "backoff": "10s", "max_backoff": "5min"}},
     "jobs": {"a": {"command": ["/bin/true", "x"], "schedule": ["daily"], "description": "A job", "user": "root",
                    "group": "adm", "working_directory": "/srv", "environment": {"K": "v"},
                    "environment_file": "-/etc/env", "timeout": "1h", "on_holder_loss": "retry", "history": 5,
@@ -211,7 +212,7 @@ FULL = {
                    "on_failure": ["/bin/sh", "-c", "echo $CONSULRUN_JOB"], "ping_url": "http://[::1]:8000/ping/a",
                    "pass_consul_token": True}},
 }
-DURATIONS = {"ttl", "lock_delay", "wait", "accuracy", "randomized_delay", "timeout"}
+DURATIONS = {"ttl", "lock_delay", "wait", "accuracy", "randomized_delay", "timeout", "backoff", "max_backoff"}
 OUT_OF_RANGE = {"ttl": ["9s", 86401, "2x"], "lock_delay": ["4s", "61s", 0, "1 sex"], "wait": [-1, "367d", "2y"],
                 "accuracy": ["2x", 10**30], "randomized_delay": ["-1s", "500us"], "timeout": ["soon", "400d"],
                 "concurrency": [0, 1001], "skip_exit_code": [-1, 256], "history": [0, 1001],
@@ -222,7 +223,8 @@ OUT_OF_RANGE = {"ttl": ["9s", 86401, "2x"], "lock_delay": ["4s", "61s", 0, "1 se
                 "tls_server_name": ["a b"],
                 "agent_unit": ["consul", "consul@.service", "a b.service", "consul.service\nExecStart=/x", "%i.service"],
                 "checks": [[""], ["a b"]],
-                "on_failure": ["", [], "'unclosed", ["a\x00"]], "ping_url": ["ftp://x/y", "https://x/y?z=1", "a b", ""]}
+                "on_failure": ["", [], "'unclosed", ["a\x00"]], "ping_url": ["ftp://x/y", "https://x/y?z=1", "a b", ""],
+                "attempts": [0, 101], "backoff": ["2x", "400d", "6min"], "max_backoff": ["1 sex", "367d", "1s"]}
 WRONG_TYPES = [True, None, 1.5, {"k": "v"}, [{}], "text", 7, ["text"]]
 
 

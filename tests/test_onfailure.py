@@ -37,6 +37,11 @@ def _install_jobs(ctr: Container) -> None:
         "skipper": {"command": ["true"], "lock": {"skip_exit_code": SKIP}},
         "fine": {"command": ["true"], "on_failure": ["sh", "-c", "touch /shared/fine-notified"]},
         "takeover": {"command": ["sh", "-c", "exit 3"], "on_holder_loss": "retry"},
+        # retries: the unit fails, and OnFailure= fires, only if the last attempt fails (issue 29, item 1).
+        "doomed": {"command": ["sh", "-c", "echo attempt $CONSULRUN_ATTEMPT >> /shared/doomed-runs; exit 3"],
+                   "retries": {"attempts": 3, "backoff": "2s"}},
+        "flaky": {"command": ["sh", "-c", "echo attempt $CONSULRUN_ATTEMPT >> /shared/flaky-runs; "
+                                          "[ $CONSULRUN_ATTEMPT -ge 2 ]"], "retries": {"attempts": 3, "backoff": "1s"}},
         # Every 4 s: a run that cannot reach Consul retries for at most half that (2 s) before exiting 69.
         "outage": {"command": ["true"], "schedule": "*:*:0/4",
                    "on_failure": ["sh", "-c", "echo $CONSULRUN_EXIT_STATUS >> /shared/outage-told"]},
@@ -114,6 +119,35 @@ def test_a_takeover_that_fails_names_its_occurrence_exactly(node: Container, con
     assert "taking over from a dead runner" in facts["CONSULRUN_JOURNAL"], facts["CONSULRUN_JOURNAL"]
     assert facts["CONSULRUN_OCCURRENCE"] == occurrence, facts["CONSULRUN_OCCURRENCE"]
     assert (facts["CONSULRUN_RESULT"], facts["CONSULRUN_EXIT_STATUS"]) == ("exit-code", "3")
+
+
+def _journal(node: Container, unit: str) -> str:
+    return node.exec("journalctl", "--no-pager", "-q", "-o", "cat", "-u", unit, check=False).stdout
+
+
+def test_on_failure_fires_once_after_the_last_attempt_and_not_for_a_retried_one(node: Container) -> None:
+    """`doomed` fails all three attempts: nothing is told during the backoff after the first, one notification
+    after the third, with its status. `flaky` fails once and succeeds on the retry: the unit succeeds, no
+    notification."""
+    node.systemctl("start", "--no-block", "consulrun-doomed.service")
+    wait_for(lambda: "attempt 1 of 3 failed (exit status 3); retrying in 2s" in _journal(
+        node, "consulrun-doomed.service"), 60, "the first attempt to fail")
+    assert not (node.shared / "failed-doomed").exists()  # a retried attempt is no failure of the unit
+    assert node.systemctl("is-active", "consulrun-doomed.service", check=False).stdout.strip() == "activating"
+    facts = notified(node, "doomed")
+    assert (node.shared / "doomed-runs").read_text().split("\n")[:3] == ["attempt 1", "attempt 2", "attempt 3"]
+    assert (facts["CONSULRUN_RESULT"], facts["CONSULRUN_EXIT_STATUS"]) == ("exit-code", "3")
+    last = "attempt 3 of 3 failed (exit status 3); no retry: it was the last of 3 attempts"
+    assert last in facts["CONSULRUN_JOURNAL"], facts["CONSULRUN_JOURNAL"]
+    wait_for(lambda: node.systemctl("is-active", "consulrun-onfailure@doomed.service",
+                                    check=False).stdout.strip() != "active", 60, "the handler to end")
+    assert _journal(node, "consulrun-onfailure@doomed.service").count("running the on_failure command") == 1
+
+    assert node.systemctl("start", "consulrun-flaky.service").returncode == 0
+    assert (node.shared / "flaky-runs").read_text().split() == ["attempt", "1", "attempt", "2"]
+    assert node.systemctl("show", "-P", "Result", "consulrun-flaky.service").stdout.strip() == "success"
+    assert node.systemctl("show", "-P", "InvocationID", "consulrun-onfailure@flaky.service").stdout.strip() == ""
+    assert not (node.shared / "failed-flaky").exists()
 
 
 def _agent_down(node: Container, down: bool) -> None:

@@ -5,7 +5,8 @@ never ended, [start, last heartbeat]. Per job it reports overlapping runs
 (pause overlaps apart, with whether a fencing-token guarded store would have
 rejected the stale holder's writes), occurrences run twice under `skip`,
 occurrences never completed under `retry` although a client node was free of
-faults, wrapper exit statuses, fencing latency (fault start -> the holder's
+faults, one holder running an occurrence more often than its `retries.attempts`
+allow (1 without retries), wrapper exit statuses, fencing latency (fault start -> the holder's
 job dead) and takeover latency (holder's job dead -> a standby's job start) as
 percentiles, and Raft writes per occurrence. Heartbeats come every 100 ms, so
 "dead" times are late by at most 0.1 s.
@@ -221,7 +222,11 @@ class _Job:
 
     def _outcomes(self) -> None:
         by_occ = self.by_occ
+        self._attempts()
         ran_twice = {occ: rs for occ, rs in by_occ.items() if len(rs) > 1}
+        # Under skip, a duplicate is a second holder (another fencing token); one holder's retries are judged by
+        # _attempts.
+        held_twice = {occ: rs for occ, rs in ran_twice.items() if len({r.token for r in rs}) > 1}
         completed_twice = {occ: rs for occ, rs in by_occ.items() if sum(r.ended for r in rs) > 1}
         self.entry["started_more_than_once"] = len(ran_twice)
         self.entry["completed_more_than_once"] = len(completed_twice)
@@ -230,13 +235,27 @@ class _Job:
                                                     and not any(r.ended for r in by_occ[occ]))
         if self.policy == "skip":
             duplicates = [{"occurrence": occ, "runs": [_describe(r) for r in rs],
-                           "evidence": [ln for r in rs for ln in r.lines]} for occ, rs in ran_twice.items()]
+                           "evidence": [ln for r in rs for ln in r.lines]} for occ, rs in held_twice.items()]
             self.entry["duplicates"] = duplicates
             self.violations += [{"kind": "duplicate under skip", "job": self.name, **d} for d in duplicates]
             return
         self.entry["completed_twice"] = [{"occurrence": occ, "runs": [_describe(r) for r in rs]}
                                          for occ, rs in completed_twice.items()]
         self._lost()
+
+    def _attempts(self) -> None:
+        """Never more attempts than allowed: the runs one holder (one fencing token) made of one occurrence are
+        its retries (`retries.attempts`, the first run included; 1 without retries)."""
+        allowed = int(self.spec.get("attempts", 1))
+        per_holder: dict[tuple[str, int], list[Run]] = defaultdict(list)
+        for run in self.runs:
+            per_holder[(run.occ, run.token)].append(run)
+        too_many = [{"occurrence": occ, "token": token, "attempts": len(rs), "allowed": allowed,
+                     "runs": [_describe(r) for r in rs], "evidence": [ln for r in rs for ln in r.lines]}
+                    for (occ, token), rs in per_holder.items() if len(rs) > allowed]
+        self.entry["attempts_allowed"] = allowed
+        self.entry["more_attempts_than_allowed"] = too_many
+        self.violations += [{"kind": "more attempts than allowed", "job": self.name, **item} for item in too_many]
 
     def _lost(self) -> None:
         """Occurrences no run completed, judged against the client nodes' health during their interval."""

@@ -6,7 +6,7 @@ from __future__ import annotations
 import click
 
 from consulrun.commands.options import Duration, agent_options, job_prefix_option
-from consulrun.commands.runargs import job_missing, start
+from consulrun.commands.runargs import ATTEMPTS_MAX, job_missing, start
 from consulrun.manifest.durations import DURATION_MAX_MS, LOCK_DELAY_RANGE_MS, TTL_RANGE_MS, range_text
 
 
@@ -52,6 +52,14 @@ class _RunCommand(click.Command):
 @click.option("--skip-when-stopped", is_flag=True,
               help="A termination signal before this node took the lock (waiting, standing by) exits with "
                    "--skip-exit-code, not 128+N: this node ran nothing, so systemd counts the stop a success.")
+@click.option("--attempts", type=click.IntRange(1, ATTEMPTS_MAX), default=1, show_default=True,
+              help="With --schedule: run a failed occurrence (non-zero exit, or its --timeout) up to this many times "
+                   "in all, the first run included, on this node while it keeps the lock; a stop, a skip or a lost "
+                   "lock is never retried, nor a retry made that the next occurrence would overtake.")
+@click.option("--retry-backoff", type=Duration((0, DURATION_MAX_MS)), default="10s", show_default=True,
+              metavar="DURATION", help="The wait before the first retry; doubled before each next one.")
+@click.option("--retry-max-backoff", type=Duration((0, DURATION_MAX_MS)), default="5min", show_default=True,
+              metavar="DURATION", help="The longest wait between two attempts.")
 @click.option("--pass-consul-token", is_flag=True,
               help="Leave CONSUL_HTTP_TOKEN, CONSUL_HTTP_TOKEN_FILE and CONSUL_HTTP_AUTH in the job's environment "
                    "(by default the job gets none of them).")
@@ -66,7 +74,8 @@ class _RunCommand(click.Command):
 def run(job: str, command: tuple[str, ...], prefix: str, ttl: int, lock_delay: int, checks: tuple[str, ...],
         wait: int, concurrency: int, skip_exit_code: int, schedules: tuple[str, ...], on_holder_loss: str,
         history: int, ping_url: str | None, health_check: bool, pass_consul_token: bool, timeout: int | None,
-        skip_when_stopped: bool, node_meta: tuple[str, ...], node_names: tuple[str, ...],
+        skip_when_stopped: bool, node_meta: tuple[str, ...], node_names: tuple[str, ...], attempts: int,
+        retry_backoff: int, retry_max_backoff: int,
         **consul: str | None) -> None:
     """Run COMMAND for JOB on this node only if this node gets JOB's Consul lock.
 
@@ -78,7 +87,8 @@ def run(job: str, command: tuple[str, ...], prefix: str, ttl: int, lock_delay: i
 
     The job gets CONSULRUN_JOB, CONSULRUN_SESSION, CONSULRUN_LOCK_KEY and
     CONSULRUN_FENCING_TOKEN (the lock key's ModifyIndex: larger for every later
-    holder, so the job can refuse a stale holder's write) in its environment,
+    holder, so the job can refuse a stale holder's write) and CONSULRUN_ATTEMPT
+    (1, then 2, 3, ... for each retry of --attempts) in its environment,
     and not the wrapper's Consul credentials, CONSUL_HTTP_TOKEN, CONSUL_HTTP_TOKEN_FILE
     and CONSUL_HTTP_AUTH (unless --pass-consul-token). Its own exit status is
     passed through. If the lock cannot be confirmed,
@@ -89,4 +99,4 @@ def run(job: str, command: tuple[str, ...], prefix: str, ttl: int, lock_delay: i
           concurrency=concurrency, skip_exit_code=skip_exit_code, schedules=schedules, on_holder_loss=on_holder_loss,
           history=history, ping_url=ping_url, health_check=health_check, pass_consul_token=pass_consul_token,
           timeout=timeout, skip_when_stopped=skip_when_stopped, node_meta=node_meta, node_names=node_names,
-          **consul)
+          attempts=attempts, retry_backoff=retry_backoff, retry_max_backoff=retry_max_backoff, **consul)

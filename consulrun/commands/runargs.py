@@ -31,6 +31,7 @@ TYPE_CHECKING = False  # typing's own flag without importing typing on every run
 if TYPE_CHECKING:
     from typing import Any, Callable, NoReturn
 
+ATTEMPTS_MAX = 100  # consulrun.protocol.retries.ATTEMPTS_MAX (a test holds them equal)
 WATCHDOG_JOB = "_watchdog"  # consulrun.protocol.health.WATCHDOG_JOB, kept here so `run` imports nothing more
 
 
@@ -95,6 +96,9 @@ OPTIONS: dict[str, tuple[str, Callable[[str], Any] | None, Any, bool, str | None
     "--skip-when-stopped": ("skip_when_stopped", None, False, False, None),
     "--node-meta": ("node_meta", _text, (), True, None),
     "--node-name": ("node_names", _text, (), True, None),
+    "--attempts": ("attempts", _count(1, ATTEMPTS_MAX), "1", False, None),
+    "--retry-backoff": ("retry_backoff", _duration((0, DURATION_MAX_MS)), "10s", False, None),
+    "--retry-max-backoff": ("retry_max_backoff", _duration((0, DURATION_MAX_MS)), "5min", False, None),
     "--http-addr": ("http_addr", _text, None, False, "CONSUL_HTTP_ADDR"),
     "--token-file": ("token_file", _text, None, False, "CONSUL_HTTP_TOKEN_FILE"),
     "--ca-file": ("ca_file", _text, None, False, "CONSUL_CACERT"),
@@ -184,7 +188,8 @@ def start(job: str, command: tuple[str, ...], prefix: str, ttl: int, lock_delay:
           wait: int, concurrency: int, skip_exit_code: int, schedules: tuple[str, ...], on_holder_loss: str,
           history: int, ping_url: str | None, health_check: bool, pass_consul_token: bool = False,
           timeout: int | None = None, skip_when_stopped: bool = False, node_meta: tuple[str, ...] = (),
-          node_names: tuple[str, ...] = (), **consul: str | None) -> NoReturn:
+          node_names: tuple[str, ...] = (), attempts: int = 1, retry_backoff: int = 10_000,
+          retry_max_backoff: int = 300_000, **consul: str | None) -> NoReturn:
     """Check what the options cannot check alone, then run the job under its lock and exit with its status."""
     problem = None if job == WATCHDOG_JOB else name_problem(job)  # the watchdog's own lock is one to run
     if problem:
@@ -195,6 +200,10 @@ def start(job: str, command: tuple[str, ...], prefix: str, ttl: int, lock_delay:
         problem = schedule_problem(spec_text)
         if problem:
             raise UsageError(f"--schedule: {problem}")
+    if attempts > 1 and not schedules:
+        raise UsageError("--attempts retries a scheduled occurrence: it needs --schedule")
+    if retry_max_backoff < retry_backoff:
+        raise UsageError("--retry-max-backoff must be at least --retry-backoff")
     if ping_url is not None:
         from consulrun.protocol.notify import ping_url_problem
 
@@ -220,7 +229,8 @@ def start(job: str, command: tuple[str, ...], prefix: str, ttl: int, lock_delay:
     request = RunRequest(spec=spec, command=command, skip_exit_code=skip_exit_code, schedules=schedules,
                          on_holder_loss=on_holder_loss, history=history, ping_url=ping_url,
                          health_check=health_check, pass_consul_token=pass_consul_token, timeout_ms=timeout,
-                         skip_when_stopped=skip_when_stopped)
+                         skip_when_stopped=skip_when_stopped, attempts=attempts, retry_backoff_ms=retry_backoff,
+                         retry_max_backoff_ms=retry_max_backoff)
     sys.exit(run_job(request, consul_config(consul)))
 
 

@@ -61,6 +61,15 @@ class TimerSettings:
 
 
 @dataclass(frozen=True)
+class RetrySettings:
+    """`retries:` (consulrun.protocol.retries does the arithmetic): at most `attempts` runs, the first included."""
+
+    attempts: int = 1
+    backoff_ms: int = 10_000
+    max_backoff_ms: int = 300_000
+
+
+@dataclass(frozen=True)
 class Job:
     name: str
     command: tuple[str, ...]
@@ -84,6 +93,7 @@ class Job:
     pass_consul_token: bool = False  # the job's environment keeps the wrapper's CONSUL_HTTP_TOKEN(_FILE)
     hardening: str = "none"  # a sandbox preset (manifest.hardening), written before service_settings
     placement: Placement | None = None  # `nodes:`: which Consul nodes may run it (None: any)
+    retries: RetrySettings = RetrySettings()
 
 
 @dataclass(frozen=True)
@@ -340,11 +350,49 @@ def _semantic_checks(problems: _Problems, data: dict[str, Any]) -> None:
                         "lock_delay must be {range}; less would let another node start before a partitioned "
                         "holder stops")
         _check_duration(problems, path + ("wait",), block.get("wait"))
+    _check_retries(problems, defaults, jobs)
     for path, block in timer_blocks:
         _check_settings(problems, block, path, "timer")
         if isinstance(block, dict):
             for name in ("accuracy", "randomized_delay"):
                 _check_duration(problems, path + (name,), block.get(name))
+
+
+def _check_retries(problems: _Problems, defaults: dict[str, Any], jobs: dict[str, Any]) -> None:
+    """Durations in range, max_backoff not below backoff (as merged with defaults), and one holder at a time."""
+    base = defaults.get("retries") if isinstance(defaults.get("retries"), dict) else {}
+    blocks = [(("defaults", "retries"), base, {})]
+    blocks += [(("jobs", name, "retries"), job.get("retries") if isinstance(job.get("retries"), dict) else {}, job)
+               for name, job in jobs.items() if isinstance(job, dict)]
+    for path, block, job in blocks:
+        for name in ("backoff", "max_backoff"):
+            _check_duration(problems, path + (name,), block.get(name))
+        if not job:
+            continue
+        merged = {**base, **block}
+        values = [merged.get(k, d) for k, d in (("backoff", "10s"), ("max_backoff", "5min"))]
+        try:
+            backoff, cap = (_ms(v) for v in values) if all(
+                isinstance(v, (str, int)) and not isinstance(v, bool) for v in values) else (0, 0)
+        except DurationError:
+            backoff, cap = 0, 0  # reported above or by the schema
+        where = path if block else ("defaults", "retries")
+        if cap < backoff <= DURATION_MAX_MS:
+            problems.add(where + ("max_backoff",) if "max_backoff" in (block or base) else where,
+                         f"max_backoff ({format_duration(cap)}) must be at least backoff ({format_duration(backoff)})")
+        concurrency = {**(defaults.get("lock") or {}), **(job.get("lock") or {})}.get("concurrency", 1) \
+            if isinstance(job.get("lock", {}), dict) and isinstance(defaults.get("lock", {}), dict) else 1
+        if isinstance(merged.get("attempts"), int) and merged["attempts"] > 1 and isinstance(concurrency, int) \
+                and concurrency > 1:
+            problems.add(where + ("attempts",) if "attempts" in (block or base) else where,
+                         "retries are of one occurrence, run by one holder: they need lock.concurrency: 1")
+
+
+def _retries(raw: dict[str, Any]) -> RetrySettings:
+    base = RetrySettings()
+    return RetrySettings(attempts=raw.get("attempts", base.attempts),
+                         backoff_ms=_ms(raw["backoff"]) if "backoff" in raw else base.backoff_ms,
+                         max_backoff_ms=_ms(raw["max_backoff"]) if "max_backoff" in raw else base.max_backoff_ms)
 
 
 def _lock(raw: dict[str, Any]) -> LockSettings:
@@ -411,6 +459,7 @@ def _build(source: str, data: dict[str, Any], problems: _Problems) -> Manifest:
             pass_consul_token=raw.get("pass_consul_token", False),
             hardening=raw.get("hardening", defaults.get("hardening", "none")),
             placement=_placement(raw.get("nodes", defaults.get("nodes"))),
+            retries=_retries({**defaults.get("retries", {}), **raw.get("retries", {})}),
         ))
     return Manifest(
         source=source,

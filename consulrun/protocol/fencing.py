@@ -59,20 +59,23 @@ def stop_timeout_ms(lock_delay_ms: int) -> int:
 
 
 def start_backstop_ms(timeout_ms: int, lock_delay_ms: int, ttl_ms: int, wait_ms: int, lateness_ms: int,
-                      turns_ms: int, retry: bool) -> int:
+                      turns_ms: int, retry: bool, attempts: int = 1, backoffs_ms: int = 0) -> int:
     """The unit's TimeoutStartSec= for a job with a timeout: only a backstop behind the wrapper's own timeout.
 
     `run --timeout` counts from the job's start; the unit's timeout counts
     from the unit's start, which may be long before: the start's retries of
     an election, the timer's lateness against the other nodes, the turns,
     `--wait`, lock-delay. Under `retry` a standby also stands by through the
-    first attempt (its timeout and stop grace) and its death going unnoticed
-    (up to 2 x TTL) before its own attempt: README's numbers for at least
-    once. Then the attempt itself (timeout and stop grace) and recording its
-    result. systemd stopping a run here is consulrun's failure, never the
+    first node's run (all its attempts) and its death going unnoticed (up to
+    2 x TTL) before its own run: README's numbers for at least once. Then the
+    run itself: each of its `attempts` (timeout and stop grace), the
+    `backoffs_ms` between them and, before each retry, the fencing window
+    for recording the failed attempt and confirming the lock; then recording
+    the result. systemd stopping a run here is consulrun's failure, never the
     job's result.
     """
     attempt_ms = timeout_ms + stop_timeout_ms(lock_delay_ms)
-    standby_ms = attempt_ms + 2 * ttl_ms if retry else 0
-    return (int(START_RETRY_S * 1000) + lateness_ms + turns_ms + wait_ms + standby_ms + lock_delay_ms + attempt_ms
+    run_ms = attempts * attempt_ms + backoffs_ms + (attempts - 1) * lock_delay_ms
+    standby_ms = run_ms + 2 * ttl_ms if retry else 0
+    return (int(START_RETRY_S * 1000) + lateness_ms + turns_ms + wait_ms + standby_ms + lock_delay_ms + run_ms
             + int(FINISH_RETRY_S * 1000))

@@ -8,6 +8,8 @@ Phases and what a termination signal does in each:
                             recorded done, unless systemd says the stop was not aimed at the job (a
                             shutdown, the unit's backstop timeout): then lost (stops.py)
   lock lost              -> every process of the job is killed (SIGTERM, then SIGKILL), exit 75
+  backoff before a retry -> no further attempt; the last attempt's result is recorded and is the exit status
+                            (retries.py)
   releasing              -> the release completes, exit 128+N
 
 The invariant every path keeps: the lock is released only after every process
@@ -68,6 +70,9 @@ class RunRequest:
     pass_consul_token: bool = False  # the job keeps CONSUL_HTTP_TOKEN(_FILE) (the manifest's pass_consul_token)
     timeout_ms: int | None = None  # the job's own time limit, from its start (stops.py)
     skip_when_stopped: bool = False  # a stop before the lock exits with the skip code: this node ran nothing
+    attempts: int = 1  # runs of one occurrence at most, the first included (retries.py)
+    retry_backoff_ms: int = 10_000  # before the first retry; doubled for each next one
+    retry_max_backoff_ms: int = 300_000
 
 
 class _Signals:
@@ -116,6 +121,10 @@ class _Signals:
                          signal.Signals(signum).name)
                 self.job.signal(signum)
                 self._job_got.add(self._forwarded - 1)
+
+    def settle(self) -> None:
+        """The signals received so far have had their effect (they ended the retries): none is unforwarded."""
+        self._job_got.update(range(len(self.received)))
 
     def unforwarded(self) -> list[int]:
         """Termination signals that arrived while no job was running to receive them."""
@@ -195,6 +204,21 @@ def _supervise(job: Job, watcher: Watcher, fencing: Fencing, signals: _Signals, 
             pass
 
 
+def _backoff_ended(signals: _Signals, seen: int, watcher: Watcher) -> str | None:
+    """Why the backoff before a retry ends early: a termination signal (the `seen`-th on), or the lock lost."""
+    if len(signals.received) > seen:
+        return f"{signal.Signals(signals.received[seen]).name} received"
+    if watcher.lost_reason:
+        return f"the lock was lost ({watcher.lost_reason})"
+    return None
+
+
+def _nap(signals: _Signals, watcher: Watcher, seconds: float) -> None:
+    """Sleep up to `seconds`, waking at once for a signal or news from the watcher."""
+    _wait_readable([signals.wakeup, watcher.wakeup], seconds)
+    signals.drain()
+
+
 def _wait_readable(fds: list[int], timeout_s: float) -> None:
     """Sleep until one of `fds` is readable or `timeout_s` passes: poll(2), which, unlike select(2), takes
     descriptors numbered 1024 and up (a unit with a high LimitNOFILE= and many inherited files)."""
@@ -205,7 +229,7 @@ def _wait_readable(fds: list[int], timeout_s: float) -> None:
 
 
 def _job_environment(held: Held, spec: LockSpec, claim: dict[str, object] | None,
-                     pass_consul_token: bool = False) -> dict[str, str]:
+                     pass_consul_token: bool = False, attempt: int = 1) -> dict[str, str]:
     """The wrapper's environment, less its Consul credentials (`CREDENTIAL_VARIABLES`): with them any job would
     hold the node's KV and session write rights (a job that needs them says `pass_consul_token: true`). The
     credential file itself stays in $CREDENTIALS_DIRECTORY, readable by the unit's user: docs/commands/run.md
@@ -215,7 +239,7 @@ def _job_environment(held: Held, spec: LockSpec, claim: dict[str, object] | None
                  *(() if pass_consul_token else CREDENTIAL_VARIABLES)):
         env.pop(name, None)
     env.update({"CONSULRUN_JOB": spec.job, "CONSULRUN_SESSION": held.session, "CONSULRUN_LOCK_KEY": held.key,
-                "CONSULRUN_FENCING_TOKEN": str(held.fencing_token)})
+                "CONSULRUN_FENCING_TOKEN": str(held.fencing_token), "CONSULRUN_ATTEMPT": str(attempt)})
     if claim and claim.get("manual"):
         env["CONSULRUN_MANUAL"] = str(claim.get("requested_by"))
     elif claim:
@@ -347,42 +371,90 @@ def _run_held(request: RunRequest, locker: Locker, held: Held, fencing: Fencing,
         from consulrun.protocol.child import Job, become_subreaper
 
         become_subreaper()
-        _confirm_before_start(locker, held, watcher, fencing)
-        # From the last look at the signals to the fork, a signal waits (blocked), then reaches the job.
-        signal.pthread_sigmask(signal.SIG_BLOCK, FORWARDED)
-        try:
-            if signals.received:
-                signum = signals.received[0]
-                log.info("%s: %s before the job started; the job is not started", spec.job,
-                         signal.Signals(signum).name)
-                outcome = {"lost": f"{signal.Signals(signum).name} before the job started"}
-                return 128 + signum
-            env = _job_environment(held, spec, claim, request.pass_consul_token)
-            job = Job(list(request.command), env)  # no other thread while forking
-            signals.job = job
-            limit = None if not request.timeout_ms else \
-                JobTimeout(spec.job, request.timeout_ms / 1000, stop_grace_s(spec.lock_delay_ms), clock())
-        finally:
-            signal.pthread_sigmask(signal.SIG_UNBLOCK, FORWARDED)
-        signals.forward_pending()
-        watcher.start()  # if it cannot start, the except below kills the job before anything is released
-        pings.start()
-        testhook.pause("started")
-        testhook.fail("started")
-        status, lost = _supervise(job, watcher, fencing, signals, spec.job, limit)
-        if not lost and job.alive():
-            # A wrapper waking late must not give leftovers a grace period it no longer has.
-            grace = min(fencing.grace_s, watcher.last_confirmed + fencing.kill_by_s - clock())
-            log.warning("%s: the job exited but left processes behind; stopping them", spec.job)
-            job.kill_all(grace, now=clock)
-        if not lost and not (limit and limit.expired) and \
-                (signals.received or status in [128 + sig for sig in STOP_SIGNALS]):
-            lost = _stopped_not_a_result(spec.job, status)
-        outcome = {"exit_status": status, "ended": _now(), **({"lost": lost} if lost else {}),
-                   **({"timed_out": True} if limit and limit.expired else {})}
-        if not lost:
-            log.info("%s: job exited with status %d", spec.job, status)
-        return status
+        attempt, before = 1, None  # before: the previous attempt's (claim, outcome, status), while retrying
+        if request.attempts > 1:
+            from consulrun.protocol import retries
+
+            policy = retries.RetryPolicy(request.attempts, request.retry_backoff_ms, request.retry_max_backoff_ms)
+            due = retries.next_due(request.schedules, claim)
+        while True:
+            if before is not None:
+                testhook.pause("retry")
+                try:  # as before the first: a job never starts after another node could have taken over
+                    _confirm_before_start(locker, held, watcher, fencing, since=watcher.last_confirmed)
+                except NotConfirmed as exc:
+                    claim, outcome, status = before
+                    outcome = {**outcome, "retries_ended": f"the lock could not be confirmed: {exc}"}
+                    log.error("%s: the lock cannot be confirmed before attempt %d (%s); no further attempt: the "
+                              "last attempt's exit status %d stands", spec.job, attempt, exc, status)
+                    return status
+            else:
+                _confirm_before_start(locker, held, watcher, fencing)
+            # From the last look at the signals to the fork, a signal waits (blocked), then reaches the job.
+            signal.pthread_sigmask(signal.SIG_BLOCK, FORWARDED)
+            try:
+                if signals.received and before is not None:
+                    claim, outcome, status = before
+                    name = signal.Signals(signals.received[-1]).name
+                    outcome = {**outcome, "retries_ended": f"{name} before attempt {attempt}"}
+                    log.info("%s: %s before attempt %d started; no further attempt: the last attempt's exit "
+                             "status %d stands", spec.job, name, attempt, status)
+                    signals.settle()
+                    return status
+                if signals.received:
+                    signum = signals.received[0]
+                    log.info("%s: %s before the job started; the job is not started", spec.job,
+                             signal.Signals(signum).name)
+                    outcome = {"lost": f"{signal.Signals(signum).name} before the job started"}
+                    return 128 + signum
+                env = _job_environment(held, spec, claim, request.pass_consul_token, attempt)
+                job = Job(list(request.command), env)  # no other thread while forking
+                signals.job = job
+                limit = None if not request.timeout_ms else \
+                    JobTimeout(spec.job, request.timeout_ms / 1000, stop_grace_s(spec.lock_delay_ms), clock())
+            finally:
+                signal.pthread_sigmask(signal.SIG_UNBLOCK, FORWARDED)
+            signals.forward_pending()
+            started = _now()
+            if before is None:
+                watcher.start()  # if it cannot start, the except below kills the job before anything is released
+                pings.start()  # once per run: monitors see the run, not its attempts
+            testhook.pause("started")
+            testhook.fail("started")
+            status, lost = _supervise(job, watcher, fencing, signals, spec.job, limit)
+            if not lost and job.alive():
+                # A wrapper waking late must not give leftovers a grace period it no longer has.
+                grace = min(fencing.grace_s, watcher.last_confirmed + fencing.kill_by_s - clock())
+                log.warning("%s: the job exited but left processes behind; stopping them", spec.job)
+                job.kill_all(grace, now=clock)
+            if not lost and not (limit and limit.expired) and \
+                    (signals.received or status in [128 + sig for sig in STOP_SIGNALS]):
+                lost = _stopped_not_a_result(spec.job, status)
+            outcome = {"exit_status": status, "ended": _now(), **({"lost": lost} if lost else {}),
+                       **({"timed_out": True} if limit and limit.expired else {}),
+                       **({"started": started} if before is not None else {})}
+            if not lost:
+                log.info("%s: job exited with status %d", spec.job, status)
+            if request.attempts <= 1 or job.alive():
+                return status
+            seen, cut = len(signals.received), []
+
+            def backoff_ended() -> str | None:
+                why = _backoff_ended(signals, seen, watcher)
+                if why:
+                    cut.append(why)
+                return why
+
+            nxt, held, ended = retries.between(
+                policy, locker, ledger, held, claim, outcome, attempt, stopped=bool(signals.received),
+                due=due, ended=backoff_ended, sleep=lambda s: _nap(signals, watcher, s))
+            if ended is not None:
+                if ended:
+                    outcome = {**outcome, "retries_ended": ended}
+                if cut:  # a stop during the backoff ended the retries: the last attempt's status stands
+                    signals.settle()
+                return status
+            before, claim, attempt = (claim, outcome, status), nxt, attempt + 1
     except NotConfirmed as exc:
         outcome = {"lost": str(exc)}
         log.error("%s: lock lost before the job started: %s; the job is not started", spec.job, exc)
@@ -426,14 +498,16 @@ class NotConfirmed(Exception):
     """The lock could not be confirmed right before the job would start."""
 
 
-def _confirm_before_start(locker: Locker, held: Held, watcher: Watcher, fencing: Fencing) -> None:
+def _confirm_before_start(locker: Locker, held: Held, watcher: Watcher, fencing: Fencing,
+                          since: float | None = None) -> None:
     """Confirm the lock with a consistent read just before the fork, and start nothing if it is not ours.
 
     The wrapper may have been stopped or starved between acquiring and
     starting (the Jepsen lesson: re-check the lease after waiting); a job must
-    never *start* after another node could have taken over.
+    never *start* after another node could have taken over. A retry counts
+    from the watcher's last confirmation (`since`).
     """
-    deadline = held.confirmed_at + fencing.fence_after_s
+    deadline = (held.confirmed_at if since is None else since) + fencing.fence_after_s
     while True:
         sent = clock()
         if sent >= deadline:

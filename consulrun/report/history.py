@@ -2,7 +2,8 @@
 
 Each `history/<occurrence>` entry (and the live `occurrence` record) is one
 occurrence; its `earlier` list holds the attempts that were lost or abandoned
-before a takeover, so every attempt becomes one row. A run made without
+before a takeover, and those that failed and were retried (`retries:`), so
+every attempt becomes one row. A run made without
 `--schedule` leaves only the lock's `last` value: it is listed as manual.
 
 Occurrences skipped while the job was paused left no record (the skip path
@@ -23,7 +24,8 @@ if TYPE_CHECKING:
     from typing import Any
 
 FIELDS = ("occurrence", "attempt", "node", "started", "ended", "duration_s", "exit_status", "state", "takeover",
-          "manual", "reason", "session", "paused", "host", "unit", "invocation_id")
+          "manual", "reason", "session", "paused", "host", "unit", "invocation_id", "retried", "retry_after_s",
+          "retry_at", "retries_ended")
 
 
 def _row(record: dict[str, Any], **overrides: Any) -> dict[str, Any]:
@@ -32,6 +34,7 @@ def _row(record: dict[str, Any], **overrides: Any) -> dict[str, Any]:
     row["duration_s"] = seconds_between(row["started"], row["ended"])
     row["takeover"] = bool(row["takeover"])
     row["manual"] = bool(row["manual"])
+    row["retried"] = bool(row["retried"])
     if row["state"] is None and record.get("lost"):
         row["state"], row["reason"] = "lost", str(record["lost"])
     if row["state"] is None and row["ended"]:
@@ -120,7 +123,7 @@ def rows_of(keys: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def table(rows: list[dict[str, Any]], now: datetime) -> list[list[str]]:
-    from consulrun.timefmt import cell, span
+    from consulrun.timefmt import cell, duration, span
 
     out = [["OCCURRENCE", "ATTEMPT", "NODE", "STARTED", "DURATION", "RESULT", "NOTE"]]
     for r in rows:
@@ -131,6 +134,13 @@ def table(rows: list[dict[str, Any]], now: datetime) -> list[list[str]]:
         else:
             result = f"exit {r['exit_status']}" if r["exit_status"] is not None else (r["state"] or "-")
         notes = [n for n, on in (("takeover", r["takeover"]), ("manual", r["manual"])) if on]
+        if r["retried"]:
+            notes.append(f"retried after {duration(r['retry_after_s'])}" if isinstance(r["retry_after_s"], (int, float))
+                         else "retried")
+        if r["state"] == "running" and r["retry_at"] and r["started"] == r["retry_at"]:
+            notes.append(f"retry due {cell(r['retry_at'], now)}")
+        if r["retries_ended"]:
+            notes.append(f"no retry: {r['retries_ended']}")
         if r["reason"] and r["state"] != "skipped":
             notes.append(str(r["reason"]))
         out.append([r["occurrence"] or "-", str(r["attempt"] or "-"),

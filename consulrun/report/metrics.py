@@ -56,7 +56,9 @@ def _ts(text: Any) -> float | None:
 
 def outcome_of(row: dict[str, Any]) -> str | None:
     """success | failed | lost | abandoned | missed for a finished run (or a recorded miss), None for one still
-    running."""
+    running or for an attempt that was retried (the run's result is its last attempt's)."""
+    if row.get("retried"):
+        return None
     if row["state"] in OUTCOMES:
         return OUTCOMES[row["state"]]
     if row["state"] == "running" or row["exit_status"] is None:

@@ -323,7 +323,7 @@ def judge_job(name: str, keys: dict[str, dict[str, Any]], manifest: Manifest | N
             status.problem("unhealthy", f"held by {holder['node']} (session {holder['session']}): {holder['health']}")
     record = _record_of(keys)
     if record:
-        status.last = {k: record.get(k) for k in LAST_FIELDS}
+        status.last = {k: record.get(k) for k in (*LAST_FIELDS, "retry_at")}
         status.last["duration_s"] = seconds_between(record.get("started"), record.get("ended"))
     if status.state == "never run" and any(not _operators_key(key) for key in keys):
         status.state = "held" if status.holders else "free"
@@ -493,6 +493,8 @@ def table(statuses: list[JobStatus], now: datetime) -> list[list[str]]:
             code = f"exit {last['exit_status']}" if last.get("exit_status") is not None else (last.get("state") or "")
             if last.get("state") in ("lost", "abandoned", "running", "missed"):
                 code = last["state"]
+            if last.get("state") == "running" and last.get("retry_at") and last.get("retry_at") == last.get("started"):
+                code = f"retrying (attempt {last.get('attempt')})"
             result = f"{code}{took}" + (f" on {last['node']}" if last.get("node") else "") + \
                 (" (takeover)" if last.get("takeover") else "")
         worst = s.health()

@@ -16,6 +16,7 @@ from consulrun.manifest import calendar
 from consulrun.manifest.durations import format_duration
 from consulrun.manifest.loader import Job, Manifest
 from consulrun.protocol.fencing import start_backstop_ms
+from consulrun.protocol.retries import RetryPolicy
 from consulrun.protocol.turns import turn_at_most_s
 
 LOOK_AHEAD = 200  # occurrences examined for the densest gap (a daily spec with one dense day, DST)
@@ -43,7 +44,10 @@ def start_timeout_ms(job: Job) -> int | None:
         return None
     return start_backstop_ms(job.timeout_ms, job.lock.lock_delay_ms, job.lock.ttl_ms, job.lock.wait_ms,
                              job.timer.accuracy_ms + job.timer.randomized_delay_ms, turn_ms(None),
-                             retry=job.on_holder_loss == "retry" and job.lock.concurrency == 1)
+                             retry=job.on_holder_loss == "retry" and job.lock.concurrency == 1,
+                             attempts=job.retries.attempts, backoffs_ms=RetryPolicy(
+                                 job.retries.attempts, job.retries.backoff_ms, job.retries.max_backoff_ms
+                             ).total_backoff_ms())
 
 
 def densest_gap_ms(specs: list[str], start: datetime) -> int | None:
@@ -60,11 +64,36 @@ def densest_gap_ms(specs: list[str], start: datetime) -> int | None:
     return min(gaps) if gaps else None
 
 
+def retries_warning(job: Job, gap_ms: int | None) -> str | None:
+    """A line if the schedule leaves no room for all of a job's `retries.attempts`: a retry whose backoff would
+    reach the next occurrence is not made (retries.py), so fewer attempts than asked would ever run."""
+    policy = RetryPolicy(job.retries.attempts, job.retries.backoff_ms, job.retries.max_backoff_ms)
+    if policy.attempts <= 1 or gap_ms is None:
+        return None
+    run_ms = job.timeout_ms or 0  # without a timeout, the job's run time is unknown: counted as nothing
+    waited, possible = 0, 1
+    while possible < policy.attempts:
+        waited += run_ms + int(policy.backoff_s(possible) * 1000)
+        if waited >= gap_ms:
+            break
+        possible += 1
+    if possible >= policy.attempts:
+        return None
+    return (f"job {job.name}: retries: occurrences are {format_duration(gap_ms)} apart, so at most {possible} of "
+            f"the {policy.attempts} attempts can run before the next occurrence ends the retries (backoff "
+            f"{format_duration(policy.backoff_ms)}, doubling to {format_duration(policy.max_backoff_ms)}"
+            f"{', each attempt up to its timeout ' + format_duration(run_ms) if run_ms else ''})")
+
+
 def warnings(manifest: Manifest, now: datetime | None = None) -> list[str]:
-    """One line per `retry` job whose schedule is too dense for a takeover to finish before the next occurrence."""
+    """One line per `retry` job whose schedule is too dense for a takeover to finish before the next occurrence,
+    and per job whose schedule leaves no room for all its retries."""
     now = now or datetime.now(timezone.utc)
     found = []
     for job in manifest.jobs:
+        if job.retries.attempts > 1:
+            line = retries_warning(job, densest_gap_ms(list(job.schedules), now))
+            found += [line] if line else []
         if job.on_holder_loss != "retry" or job.lock.concurrency != 1:
             continue
         gap = densest_gap_ms(list(job.schedules), now)

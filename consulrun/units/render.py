@@ -89,6 +89,10 @@ def run_argv(manifest: Manifest, job: Job, consulrun_path: str) -> list[str]:
         for spec in job.schedules:
             argv += ["--schedule", spec]
         argv += ["--on-holder-loss", job.on_holder_loss, "--history", str(job.history)]
+        if job.retries.attempts > 1:
+            argv += ["--attempts", str(job.retries.attempts), "--retry-backoff",
+                     format_duration(job.retries.backoff_ms), "--retry-max-backoff",
+                     format_duration(job.retries.max_backoff_ms)]
     if job.ping_url:
         argv += ["--ping-url", job.ping_url]
     if manifest.health_checks and job.name != WATCHDOG_JOB:
