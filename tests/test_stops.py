@@ -1,10 +1,23 @@
-"""stops.py without systemd: which unit a wrapper runs in, read from its cgroup as systemd placed it."""
+"""stops.py without systemd: which unit a wrapper runs in (read from its cgroup as systemd placed it), and which\nstops count as a run's result, with systemd's answers faked and a real agent."""
 
 from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 
 from consulrun.protocol.procinfo import own_unit
+from tests.harness.agents import Agent, wait_for
+from tests.test_run import kv_json
+
+REPO = Path(__file__).resolve().parents[1]
+DAILY = "*-*-* 00:00:00"
 
 
 @pytest.mark.parametrize(("cgroup", "unit"), [
@@ -18,3 +31,62 @@ from consulrun.protocol.procinfo import own_unit
 def test_own_unit(cgroup: str, unit: str | None) -> None:
     assert own_unit(lambda: cgroup) == unit
 
+
+
+# --- A stop during shutdown, against a real agent: systemd's answers faked, the protocol's real -----------------
+
+SHIM = ("import sys; import consulrun.protocol.procinfo as p, consulrun.protocol.stops as s; "
+        "s.own_unit = lambda: 'consulrun-shut.service'; from consulrun.entry import main; sys.argv[0] = 'consulrun'; "
+        "main()")
+
+
+def _shutting_down(tmp_path: Path) -> dict[str, str]:
+    """A PATH whose `systemctl show` says the system is stopping (what a shutdown's SIGTERM comes with)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    fake = bin_dir / "systemctl"
+    fake.write_text("#!/bin/sh\ncase \"$*\" in *SystemState*) echo SystemState=stopping;; *) echo Result=success;;"
+                    " esac\n")
+    fake.chmod(0o755)
+    return {"PATH": f"{bin_dir}:{os.environ['PATH']}"}
+
+
+@pytest.mark.consul
+def test_a_shutdown_signal_after_the_job_exited_leaves_its_result(consul: Agent, tmp_path: Path) -> None:
+    """The red team's break: the job exited 0, leaving a child that ignores SIGTERM; the shutdown's SIGTERM came
+    while the wrapper stopped that child, and the run was recorded lost, so a `retry` standby ran it again."""
+    env = {**_shutting_down(tmp_path), "CONSUL_HTTP_ADDR": consul.http_addr, "PYTHONPATH": str(REPO)}
+    left = tmp_path / "leftover"
+    job = ["sh", "-c", f"setsid sh -c 'trap \"\" TERM; echo $$ > {left}; exec sleep 30' & sleep 0.5; exit 0"]
+    wrapper = subprocess.Popen([sys.executable, "-c", SHIM, "run", "--schedule", DAILY, "--on-holder-loss", "retry",
+                                "--lock-delay", "15s", "shutdown-late", "--", *job], env={**os.environ, **env},
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for(left.exists, 20, "the job's leftover child")
+        time.sleep(1.0)  # the job (exit 0) is over; the wrapper is stopping its leftover, which ignores SIGTERM
+        wrapper.send_signal(signal.SIGTERM)
+        _, err = wrapper.communicate(timeout=60)
+    finally:
+        if left.exists() and left.read_text().strip():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(left.read_text()), signal.SIGKILL)
+    assert "the job exited but left processes behind; stopping them" in err, err
+    assert "is recorded lost" not in err, err
+    record = kv_json(consul, "consulrun/shutdown-late/occurrence")
+    assert (record["state"], record["exit_status"]) == ("done", 0), record
+
+
+@pytest.mark.consul
+def test_a_shutdown_signal_that_reaches_the_job_is_not_its_result(consul: Agent, tmp_path: Path) -> None:
+    """The other side: the shutdown's SIGTERM reaches the running job, which is then recorded lost (a `retry`
+    standby runs the occurrence)."""
+    env = {**_shutting_down(tmp_path), "CONSUL_HTTP_ADDR": consul.http_addr, "PYTHONPATH": str(REPO)}
+    started = tmp_path / "started"
+    wrapper = subprocess.Popen([sys.executable, "-c", SHIM, "run", "--schedule", DAILY, "--on-holder-loss", "retry",
+                                "shutdown-early", "--", "sh", "-c", f"touch {started}; exec sleep 30"],
+                               env={**os.environ, **env}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    wait_for(started.exists, 20, "the job to start")
+    wrapper.send_signal(signal.SIGTERM)
+    _, err = wrapper.communicate(timeout=60)
+    assert "the system is shutting down" in err and "is recorded lost" in err, err
+    assert kv_json(consul, "consulrun/shutdown-early/occurrence")["state"] == "lost"

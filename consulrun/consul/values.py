@@ -31,10 +31,11 @@ MAX_ITEMS = 10_000
 # The fields consulrun writes and the type each must have when present (null is always allowed).
 _TEXT = ("state", "node", "session", "reason", "zone", "zone_offsets", "job", "host", "unit", "invocation_id",
          "boot_id", "pid_ns", "time_ns", "consulrun_version", "by", "id", "requested_by", "trigger", "lost",
-         "ended_by", "until")
-_TIMES = ("occurrence", "started", "ended", "at", "requested_at")  # ISO 8601 with a zone, as we write them
+         "ended_by", "until", "recorded_by", "retries_ended")
+_TIMES = ("occurrence", "started", "ended", "at", "requested_at", "retry_at")  # ISO 8601 with a zone, as we write
 _NUMBERS = ("exit_status", "attempt", "pid", "pid_start")
-_FLAGS = ("takeover", "manual", "timed_out")
+_REALS = ("retry_after_s", "ahead_s")  # seconds, whole or not
+_FLAGS = ("takeover", "manual", "timed_out", "retried")
 _RECORDS = ("last",)  # a nested record, checked with the same table
 _RECORD_LISTS = ("earlier",)
 _TEXT_LISTS = ("schedule",)
@@ -125,6 +126,8 @@ def _fields(record: dict[str, Any], where: str = "") -> str | None:
             return f"field {field!r} is not a systemd invocation id (32 hex digits): {_shown(value)}"
         if name in _NUMBERS and type(value) is not int:
             return f"field {field!r} is {_kind(value)}, not a whole number"
+        if name in _REALS and (type(value) not in (int, float) or value != value or abs(value) > 1e9):
+            return f"field {field!r} is {_kind(value)}, not a number of seconds"
         if name in _FLAGS and not isinstance(value, bool):
             return f"field {field!r} is {_kind(value)}, not true/false"
         if name in _TEXT_LISTS and not (isinstance(value, list) and all(isinstance(v, str) for v in value)):

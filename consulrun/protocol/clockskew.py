@@ -49,7 +49,10 @@ def ahead_of_us(record: dict[str, Any] | None, now: datetime) -> float | None:
     """
     if not record:
         return None
-    stamps = [parse_time(record.get(k)) for k in ("occurrence", "started")]
+    # Between two attempts (retries.py) `started` is when the next one is due, a time ahead on purpose.
+    keys = ("occurrence",) if record.get("retry_at") and record.get("retry_at") == record.get("started") \
+        else ("occurrence", "started")
+    stamps = [parse_time(record.get(k)) for k in keys]
     lead = max(((t - now).total_seconds() for t in stamps if t), default=0.0)
     return lead if lead > SKEW_TOLERANCE_S else None
 

@@ -126,6 +126,11 @@ class _Signals:
         """The signals received so far have had their effect (they ended the retries): none is unforwarded."""
         self._job_got.update(range(len(self.received)))
 
+    def reached_job(self) -> bool:
+        """Whether a termination signal reached the running job (forwarded while its main process lived): only
+        such a stop can be "not the run's result"; one that came after the job had exited ended nothing of it."""
+        return bool(self._job_got)
+
     def unforwarded(self) -> list[int]:
         """Termination signals that arrived while no job was running to receive them."""
         return [sig for i, sig in enumerate(self.received) if i not in self._job_got]
@@ -427,8 +432,10 @@ def _run_held(request: RunRequest, locker: Locker, held: Held, fencing: Fencing,
                 grace = min(fencing.grace_s, watcher.last_confirmed + fencing.kill_by_s - clock())
                 log.warning("%s: the job exited but left processes behind; stopping them", spec.job)
                 job.kill_all(grace, now=clock)
+            # A stop that reached the job, or killed it (systemd's stop signals the whole cgroup), may be no result
+            # (stops.py); one that came while leftovers were stopped, after the job exited, leaves its status.
             if not lost and not (limit and limit.expired) and \
-                    (signals.received or status in [128 + sig for sig in STOP_SIGNALS]):
+                    (signals.reached_job() or status in [128 + sig for sig in STOP_SIGNALS]):
                 lost = _stopped_not_a_result(spec.job, status)
             outcome = {"exit_status": status, "ended": _now(), **({"lost": lost} if lost else {}),
                        **({"timed_out": True} if limit and limit.expired else {}),
