@@ -237,3 +237,30 @@ def test_after_the_holders_agent_stops_the_next_occurrence_is_run_or_recorded_mi
     else:
         assert code == SKIP and "recorded it missed" in err, err
         assert history(cluster.server, "agentgone")[_occ(cycle + 10)]["state"] == "missed"
+
+
+def test_a_late_write_about_the_previous_occurrence_does_not_keep_a_miss_from_being_recorded(consul: Agent) -> None:
+    """The red team forced it: between the look and the miss's check-and-set, the previous holder recorded its
+    occurrence `lost` (it retries that write for 30 s); the check-and-set failed, nothing retried it, and the skip
+    line said another node had recorded or claimed it: the occurrence was gone without a word."""
+    from consulrun.consul.client import Client, ConsulConfig, kv_op
+    from consulrun.protocol import occurrence
+    from consulrun.protocol.lock import Locker, LockSpec
+
+    client = Client(ConsulConfig(address=consul.http_addr))
+    spec = LockSpec(job="latewrite")
+    ledger = occurrence.Ledger(client, spec.base, 20)
+    previous, due = "2026-12-01T10:00:00Z", "2026-12-01T10:00:10Z"
+    running = {"occurrence": previous, "state": "running", "node": "gone", "session": "s1",
+               "started": "2026-12-01T10:00:00Z"}
+    assert client.txn([kv_op("set", ledger.record_key, running)]) is not None
+    stale = ledger.snapshot(consistent=True)
+    late = {**running, "state": "lost", "reason": "fenced"}  # as the fenced runner writes it: record and history
+    assert client.txn([kv_op("set", ledger.record_key, late), kv_op("set", ledger.history_prefix + previous, late)])
+    occ = occurrence.Occurrence(id=due, when=datetime(2026, 12, 1, 10, 0, 10, tzinfo=timezone.utc),
+                                specs=("*:*:0/10",), next_when=None)
+    said = occurrence._record_missed(Locker(client, spec), ledger, occ, stale)
+    assert said.endswith("; recorded it missed"), said
+    record = kv_json(consul, "consulrun/latewrite/occurrence")
+    assert (record["occurrence"], record["state"]) == (due, "missed"), record
+    assert kv_json(consul, f"consulrun/latewrite/history/{previous}")["state"] == "lost"  # the late write stands too

@@ -537,11 +537,20 @@ def _record_missed(locker: Locker, ledger: Ledger, occ: Occurrence, snap: Snapsh
     """Record `occ` missed (one write, check-and-set: the first of the nodes that waited in vain records it) and
     say why this node skips: an occurrence lock-delay kept from everyone is never silently gone."""
     node = locker.node_name()
-    try:
-        written = locker.client.txn(ledger.missed_ops(occ, snap, node, LOCK_DELAY_MISSED), optional_checks=True)
-    except ConsulrunError as exc:  # the skip stands, and its line says what happened
-        return f"could not claim occurrence {occ.id}: {LOCK_DELAY_MISSED}; recording it missed failed ({exc})"
-    said = "recorded it missed" if written is not None else "another node recorded it, or claimed it, first"
+    said = "another node recorded it, or claimed it, first"
+    for _ in range(3):
+        try:
+            written = locker.client.txn(ledger.missed_ops(occ, snap, node, LOCK_DELAY_MISSED), optional_checks=True)
+            if written is not None:
+                said = "recorded it missed"
+                break
+            # The record moved: a claim or a miss of this occurrence (or a later one) settles it; a write about an
+            # earlier one (its fenced runner recording `lost` late) does not, so the miss is written over it.
+            snap = ledger.snapshot(consistent=True)
+        except ConsulrunError as exc:  # the skip stands, and its line says what happened
+            return f"could not claim occurrence {occ.id}: {LOCK_DELAY_MISSED}; recording it missed failed ({exc})"
+        if str((snap.record or {}).get("occurrence") or "") >= occ.id:
+            break
     return f"could not claim occurrence {occ.id}: {LOCK_DELAY_MISSED}; {said}"
 
 
