@@ -51,12 +51,22 @@ def pytest_configure(config: pytest.Config) -> None:
         os.environ["CONSULRUN_TEST_NET_PREFIX"] = f"10.{base + int(worker[2:])}."
 
 
+AGENT_FIXTURES = frozenset({"consul", "catalog", "acl_agent", "consul_bin", "cluster"})
+
+
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the marks into the scheduling scope
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         module = item.path.stem
         if module in ONE_WORKER_MODULES:
             item.add_marker(pytest.mark.xdist_group(module))
+        # A test that starts an agent is a `consul` test whether or not it says so (scripts/test-pythons selects
+        # the others); one on a cluster is a `cluster` test too.
+        fixtures = set(getattr(item, "fixturenames", ()))
+        if fixtures & AGENT_FIXTURES and not item.get_closest_marker("consul"):
+            item.add_marker(pytest.mark.consul)
+        if "cluster" in fixtures and not item.get_closest_marker("cluster"):
+            item.add_marker(pytest.mark.cluster)
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

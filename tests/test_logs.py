@@ -13,6 +13,8 @@ from consulrun.report.status import NoState
 from tests.harness.nspawn import Container
 from tests.test_install import CONSULRUN, agent_node, install, manifest
 
+pytestmark = [pytest.mark.systemd, pytest.mark.consul]
+
 JOB = {"command": ["sh", "-c", "echo out of $CONSULRUN_OCCURRENCE; echo to stderr >&2"],
        "schedule": "*-*-* 00:00:00"}  # today's midnight is the occurrence; the timer never fires in the test
 SSH = [a for opt in ("StrictHostKeyChecking=no", "UserKnownHostsFile=/dev/null", "IdentityFile=/shared/id_ed25519",
@@ -34,7 +36,8 @@ def node(consul_bin: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
 
 
 def logs(ctr: Container, *args: str) -> subprocess.CompletedProcess[str]:
-    return ctr.exec(CONSULRUN, "logs", *args, check=False)
+    # Over ssh a login may wait for the container's logind (pam_systemd) on a loaded machine: a long bound.
+    return ctr.exec(CONSULRUN, "logs", *args, check=False, timeout=180)
 
 
 def test_the_newest_run_s_lines_from_this_host_s_journal(node: Container) -> None:

@@ -19,6 +19,8 @@ from tests.harness.agents import Cluster, start_cluster, wait_for
 from tests.harness.netns import Network
 from tests.test_run import consulrun, finish
 
+pytestmark = [pytest.mark.consul, pytest.mark.cluster]
+
 DAILY = "*-*-* 00:00:00"  # today's midnight is the occurrence: the same for every run of a test
 META = {"node1": {"role": "db"}, "node2": {"role": "db", "zone": "b"}, "node3": {"role": "db"},
         "node4": {"role": "web"}}
