@@ -193,10 +193,12 @@ def _supervise(job: Job, watcher: Watcher, fencing: Fencing, signals: _Signals, 
             reason = (f"lock not confirmed for {duration(now - watcher.last_confirmed)}; another node may acquire "
                       f"it {duration(fencing.kill_by_s + 1)} after the last confirmation")
         if reason:
-            grace = watcher.last_confirmed + fencing.kill_by_s - now
-            how = f"SIGTERM, SIGKILL after {duration(grace)}" if grace > 0 else "SIGKILL at once: no time is left for a grace period"
+            # The grace the line names is the one given: the job's share, never past the fencing deadline.
+            grace = min(fencing.grace_s, watcher.last_confirmed + fencing.kill_by_s - now)
+            how = f"SIGTERM, SIGKILL after {duration(grace)}" if grace > 0 else \
+                "SIGKILL at once: no time is left for a grace period"
             log.error("%s: lock lost: %s; killing the job's processes (%s)", name, reason, how)
-            job.kill_all(min(fencing.grace_s, grace), now=clock)
+            job.kill_all(grace, now=clock)
             return ExitCode.LOCK_LOST, reason
         if limit is not None:
             limit.check(job, now)
