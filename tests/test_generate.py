@@ -314,3 +314,15 @@ def test_the_example_manifest_reaches_no_one_elses_service() -> None:
     for url in filter(None, urls):
         host = urlsplit(url if "://" in url else f"http://{url}").hostname or ""
         assert host in ("127.0.0.1", "::1", "localhost") or host.endswith((".invalid", ".example", ".test")), url
+
+
+def test_start_deadline_reaches_the_unit_s_run(tmp_path: Path) -> None:
+    manifest = tmp_path / "jobs.yaml"
+    manifest.write_text("defaults: {start_deadline: 1h}\njobs:\n  a: {command: ['true'], schedule: daily}\n"
+                        "  b: {command: ['true'], schedule: daily, start_deadline: 10min}\n")
+    from consulrun.manifest.loader import load_manifest
+    from consulrun.units.render import render
+
+    units = render(load_manifest(manifest), "/x/consulrun")
+    assert " --start-deadline 1h " in units["consulrun-a.service"]
+    assert " --start-deadline 10m " in units["consulrun-b.service"]  # as systemd writes it

@@ -264,3 +264,37 @@ def test_a_late_write_about_the_previous_occurrence_does_not_keep_a_miss_from_be
     record = kv_json(consul, "consulrun/latewrite/occurrence")
     assert (record["occurrence"], record["state"]) == (due, "missed"), record
     assert kv_json(consul, f"consulrun/latewrite/history/{previous}")["state"] == "lost"  # the late write stands too
+
+
+def _two_hours_ago() -> str:
+    """A daily spec whose latest occurrence was 2h to 2h59m ago, whenever the test runs."""
+    hour = (datetime.now(timezone.utc).hour - 2) % 24
+    return f"*-*-* {hour:02d}:00:00 UTC"
+
+
+def test_an_occurrence_past_its_start_deadline_is_recorded_missed_not_run(consul: Agent, tmp_path: Path) -> None:
+    """#29's start_deadline (Kubernetes' startingDeadlineSeconds): a catch-up long after its time is not run."""
+    spec, ran = _two_hours_ago(), tmp_path / "ran"
+    code, _, err = finish(consulrun("run", "--schedule", spec, "--start-deadline", "1h", "--skip-exit-code",
+                                    str(SKIP), "latecomer", "--", "touch", str(ran)))
+    assert code == SKIP and not ran.exists(), err
+    assert "not started within its start_deadline (1h after its time); it would have started 2h" in err, err
+    assert err.rstrip().endswith("; recorded it missed"), err
+    record = kv_json(consul, "consulrun/latecomer/occurrence")
+    assert (record["state"], record["node"], record["recorded_by"]) == ("missed", None, "dev1"), record
+    code, data = _status("latecomer")
+    assert code == 3 and [p["kind"] for p in data["jobs"][0]["problems"]] == ["missed"], data
+    assert [r["state"] for r in history(consul, "latecomer").values()] == ["missed"]
+    # A second node, or the same one again, skips on reads alone.
+    code, _, err = finish(consulrun("run", "--schedule", spec, "--start-deadline", "1h", "latecomer", "--",
+                                    "touch", str(ran)))
+    assert code == 0 and "was recorded missed: not started within its start_deadline" in err and not ran.exists()
+
+
+def test_an_occurrence_within_its_start_deadline_runs(consul: Agent, tmp_path: Path) -> None:
+    spec, ran = _two_hours_ago(), tmp_path / "ran"
+    code, _, err = finish(consulrun("run", "--schedule", spec, "--start-deadline", "3h", "intime", "--",
+                                    "touch", str(ran)))
+    assert code == 0 and ran.exists(), err
+    code, _, err = finish(consulrun("run", "--start-deadline", "3h", "plain", "--", "true"))
+    assert code == 2 and "--start-deadline is about a scheduled occurrence: it needs --schedule" in err, err

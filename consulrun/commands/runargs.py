@@ -99,6 +99,7 @@ OPTIONS: dict[str, tuple[str, Callable[[str], Any] | None, Any, bool, str | None
     "--attempts": ("attempts", _count(1, ATTEMPTS_MAX), "1", False, None),
     "--retry-backoff": ("retry_backoff", _duration((0, DURATION_MAX_MS)), "10s", False, None),
     "--retry-max-backoff": ("retry_max_backoff", _duration((0, DURATION_MAX_MS)), "5min", False, None),
+    "--start-deadline": ("start_deadline", _duration((1, DURATION_MAX_MS)), None, False, None),
     "--http-addr": ("http_addr", _text, None, False, "CONSUL_HTTP_ADDR"),
     "--token-file": ("token_file", _text, None, False, "CONSUL_HTTP_TOKEN_FILE"),
     "--ca-file": ("ca_file", _text, None, False, "CONSUL_CACERT"),
@@ -189,7 +190,7 @@ def start(job: str, command: tuple[str, ...], prefix: str, ttl: int, lock_delay:
           history: int, ping_url: str | None, health_check: bool, pass_consul_token: bool = False,
           timeout: int | None = None, skip_when_stopped: bool = False, node_meta: tuple[str, ...] = (),
           node_names: tuple[str, ...] = (), attempts: int = 1, retry_backoff: int = 10_000,
-          retry_max_backoff: int = 300_000, **consul: str | None) -> NoReturn:
+          retry_max_backoff: int = 300_000, start_deadline: int | None = None, **consul: str | None) -> NoReturn:
     """Check what the options cannot check alone, then run the job under its lock and exit with its status."""
     problem = None if job == WATCHDOG_JOB else name_problem(job)  # the watchdog's own lock is one to run
     if problem:
@@ -202,6 +203,8 @@ def start(job: str, command: tuple[str, ...], prefix: str, ttl: int, lock_delay:
             raise UsageError(f"--schedule: {problem}")
     if attempts > 1 and not schedules:
         raise UsageError("--attempts retries a scheduled occurrence: it needs --schedule")
+    if start_deadline is not None and not schedules:
+        raise UsageError("--start-deadline is about a scheduled occurrence: it needs --schedule")
     if retry_max_backoff < retry_backoff:
         raise UsageError("--retry-max-backoff must be at least --retry-backoff")
     if ping_url is not None:
@@ -230,7 +233,7 @@ def start(job: str, command: tuple[str, ...], prefix: str, ttl: int, lock_delay:
                          on_holder_loss=on_holder_loss, history=history, ping_url=ping_url,
                          health_check=health_check, pass_consul_token=pass_consul_token, timeout_ms=timeout,
                          skip_when_stopped=skip_when_stopped, attempts=attempts, retry_backoff_ms=retry_backoff,
-                         retry_max_backoff_ms=retry_max_backoff)
+                         retry_max_backoff_ms=retry_max_backoff, start_deadline_ms=start_deadline)
     sys.exit(run_job(request, consul_config(consul)))
 
 

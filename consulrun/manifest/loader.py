@@ -93,6 +93,7 @@ class Job:
     pass_consul_token: bool = False  # the job's environment keeps the wrapper's CONSUL_HTTP_TOKEN(_FILE)
     hardening: str = "none"  # a sandbox preset (manifest.hardening), written before service_settings
     placement: Placement | None = None  # `nodes:`: which Consul nodes may run it (None: any)
+    start_deadline_ms: int | None = None  # an occurrence not started this long after its time is missed, not run
     retries: RetrySettings = RetrySettings()
 
 
@@ -351,6 +352,7 @@ def _semantic_checks(problems: _Problems, data: dict[str, Any]) -> None:
                         "holder stops")
         _check_duration(problems, path + ("wait",), block.get("wait"))
     _check_retries(problems, defaults, jobs)
+    _check_start_deadline(problems, defaults, jobs)
     for path, block in timer_blocks:
         _check_settings(problems, block, path, "timer")
         if isinstance(block, dict):
@@ -386,6 +388,19 @@ def _check_retries(problems: _Problems, defaults: dict[str, Any], jobs: dict[str
                 and concurrency > 1:
             problems.add(where + ("attempts",) if "attempts" in (block or base) else where,
                          "retries are of one occurrence, run by one holder: they need lock.concurrency: 1")
+
+
+def _check_start_deadline(problems: _Problems, defaults: dict[str, Any], jobs: dict[str, Any]) -> None:
+    """A start deadline is of an occurrence: a job with several holders at once has none (refused, not ignored)."""
+    for name, job in jobs.items():
+        if not isinstance(job, dict) or "start_deadline" not in job and "start_deadline" not in defaults:
+            continue
+        locks = [block for block in (defaults.get("lock"), job.get("lock")) if isinstance(block, dict)]
+        concurrency = {k: v for block in locks for k, v in block.items()}.get("concurrency", 1)
+        if isinstance(concurrency, int) and concurrency > 1:
+            where = ("jobs", name, "start_deadline") if "start_deadline" in job else ("defaults", "start_deadline")
+            problems.add(where, "a start deadline is of a scheduled occurrence, run by one holder: it needs "
+                                "lock.concurrency: 1")
 
 
 def _retries(raw: dict[str, Any]) -> RetrySettings:
@@ -459,6 +474,8 @@ def _build(source: str, data: dict[str, Any], problems: _Problems) -> Manifest:
             pass_consul_token=raw.get("pass_consul_token", False),
             hardening=raw.get("hardening", defaults.get("hardening", "none")),
             placement=_placement(raw.get("nodes", defaults.get("nodes"))),
+            start_deadline_ms=_ms(raw["start_deadline"]) if "start_deadline" in raw else
+            (_ms(defaults["start_deadline"]) if "start_deadline" in defaults else None),
             retries=_retries({**defaults.get("retries", {}), **raw.get("retries", {})}),
         ))
     return Manifest(

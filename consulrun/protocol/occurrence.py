@@ -319,8 +319,8 @@ def _final(record: dict[str, Any], state: str, reason: str) -> dict[str, Any]:
     return {**record, "state": state, "reason": reason, "ended": now_iso()}
 
 
-def acquire(locker: Locker, ledger: Ledger, occ: Occurrence, policy: str,
-            wait_s: float, by_timer: bool = True) -> tuple[Held | None, dict[str, Any] | None, str]:
+def acquire(locker: Locker, ledger: Ledger, occ: Occurrence, policy: str, wait_s: float, by_timer: bool = True,
+            start_deadline_s: float | None = None) -> tuple[Held | None, dict[str, Any] | None, str]:
     """Claim `occ` for this node: (held lock, claim record, "") or (None, None, why this node skips).
 
     Reads decide every skip; writes happen only when the record shows the
@@ -331,11 +331,12 @@ def acquire(locker: Locker, ledger: Ledger, occ: Occurrence, policy: str,
     The caller destroys the session on every path that returns no lock.
     `by_timer`: the unit was started by its timer (systemd's TRIGGER_UNIT), not by `systemctl start` as
     `consulrun trigger` starts it; only a run its timer started leaves a pending trigger for an unclaimed
-    occurrence.
+    occurrence. `start_deadline_s`: an unclaimed occurrence this far past its time is recorded missed, not run
+    (the manifest's `start_deadline`: a catch-up after a long outage that should not run so late).
     """
     started = clock()
     look: dict[str, Any] = {"consistent": False, "raced": False, "waiting": False, "first": True, "occ": occ,
-                            "offset": 0.0, "by_timer": by_timer}
+                            "offset": 0.0, "by_timer": by_timer, "start_deadline_s": start_deadline_s}
     deadline = _bounds(look, policy, started + wait_s)
     retry = LockDelayRetry(locker.spec.lock_delay_ms, steps=LOCK_DELAY_STEPS)
     while True:
@@ -464,6 +465,8 @@ def _step(locker: Locker, ledger: Ledger, occ: Occurrence, policy: str, deadline
                             f"(exit status {record.get('exit_status', '?')})" + _skew(locker, ledger, snap))
     if state == "missed":
         return None, None, f"occurrence {occ.id} was recorded missed: {printable(record.get('reason'))}"
+    if state == "free" and (late := _past_start_deadline(occ, look)):
+        return None, None, _record_missed(locker, ledger, occ, snap, late)
     if state == "dead" and policy == "skip":
         ops = ledger.failed_ops(record, snap.record_index, "abandoned", ABANDONED_REASON)
         if locker.client.txn(ops, optional_checks=True) is not None:
@@ -533,14 +536,28 @@ LOCK_DELAY_MISSED = ("lock-delay after the previous holder's session was invalid
                      "agent stopped, a failed check) refused every claim until the next occurrence was due")
 
 
-def _record_missed(locker: Locker, ledger: Ledger, occ: Occurrence, snap: Snapshot) -> str:
+def _past_start_deadline(occ: Occurrence, look: dict[str, Any]) -> str | None:
+    """Why `occ` is too late to start (its `start_deadline` has passed, by the cluster's clock), or None."""
+    deadline = look.get("start_deadline_s")
+    if deadline is None:
+        return None
+    late = (datetime.now(timezone.utc) - occ.when).total_seconds() - look["offset"]
+    if late <= deadline:
+        return None
+    return (f"not started within its start_deadline ({duration(deadline)} after its time); it would have started "
+            f"{duration(late)} late")
+
+
+def _record_missed(locker: Locker, ledger: Ledger, occ: Occurrence, snap: Snapshot,
+                   reason: str = LOCK_DELAY_MISSED) -> str:
     """Record `occ` missed (one write, check-and-set: the first of the nodes that waited in vain records it) and
-    say why this node skips: an occurrence lock-delay kept from everyone is never silently gone."""
+    say why this node skips: an occurrence lock-delay kept from everyone, or one past its start deadline, is
+    never silently gone."""
     node = locker.node_name()
     said = "another node recorded it, or claimed it, first"
     for _ in range(3):
         try:
-            written = locker.client.txn(ledger.missed_ops(occ, snap, node, LOCK_DELAY_MISSED), optional_checks=True)
+            written = locker.client.txn(ledger.missed_ops(occ, snap, node, reason), optional_checks=True)
             if written is not None:
                 said = "recorded it missed"
                 break
@@ -548,10 +565,10 @@ def _record_missed(locker: Locker, ledger: Ledger, occ: Occurrence, snap: Snapsh
             # earlier one (its fenced runner recording `lost` late) does not, so the miss is written over it.
             snap = ledger.snapshot(consistent=True)
         except ConsulrunError as exc:  # the skip stands, and its line says what happened
-            return f"could not claim occurrence {occ.id}: {LOCK_DELAY_MISSED}; recording it missed failed ({exc})"
+            return f"could not claim occurrence {occ.id}: {reason}; recording it missed failed ({exc})"
         if str((snap.record or {}).get("occurrence") or "") >= occ.id:
             break
-    return f"could not claim occurrence {occ.id}: {LOCK_DELAY_MISSED}; {said}"
+    return f"could not claim occurrence {occ.id}: {reason}; {said}"
 
 
 def _skew(locker: Locker, ledger: Ledger, snap: Snapshot) -> str:

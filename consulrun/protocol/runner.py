@@ -73,6 +73,7 @@ class RunRequest:
     attempts: int = 1  # runs of one occurrence at most, the first included (retries.py)
     retry_backoff_ms: int = 10_000  # before the first retry; doubled for each next one
     retry_max_backoff_ms: int = 300_000
+    start_deadline_ms: int | None = None  # an occurrence not started this long after its time is missed, not run
 
 
 class _Signals:
@@ -335,8 +336,9 @@ def _acquire_with_retries(request: RunRequest, locker: Locker) -> tuple[Held | N
                                        health_prefix=spec.prefix if request.health_check else None)
             # systemd names the unit that started this one (a path or timer unit); `systemctl start` names none.
             by_timer = os.environ.get("TRIGGER_UNIT", "").endswith(".timer")
-            held, claim, why = occurrence.acquire(locker, ledger, occ, request.on_holder_loss, spec.wait_ms / 1000,
-                                                  by_timer=by_timer)
+            held, claim, why = occurrence.acquire(
+                locker, ledger, occ, request.on_holder_loss, spec.wait_ms / 1000, by_timer=by_timer,
+                start_deadline_s=request.start_deadline_ms / 1000 if request.start_deadline_ms else None)
             return held, ledger, claim, why
         except ConsulUnavailable as exc:
             why = _not_ready_yet(exc)

@@ -93,6 +93,7 @@ def run_argv(manifest: Manifest, job: Job, consulrun_path: str) -> list[str]:
             argv += ["--attempts", str(job.retries.attempts), "--retry-backoff",
                      format_duration(job.retries.backoff_ms), "--retry-max-backoff",
                      format_duration(job.retries.max_backoff_ms)]
+        argv += ["--start-deadline", format_duration(job.start_deadline_ms)] if job.start_deadline_ms else []
     if job.ping_url:
         argv += ["--ping-url", job.ping_url]
     if manifest.health_checks and job.name != WATCHDOG_JOB:
