@@ -28,7 +28,7 @@ import pytest
 from tests.conftest import container_binds, require_tool
 from tests.harness.agents import wait_for
 from tests.harness.netns import Network
-from tests.harness.nspawn import Container
+from tests.harness.nspawn import Container, stop_nodes
 from tests.test_install import CONSULRUN, agent_get, install, journal, manifest, start_agent
 from tests.test_occurrence import FAKETIME_LIB
 
@@ -65,12 +65,7 @@ def three_agents(consul_bin: str, workdir: Path) -> Iterator[list[Container]]:
                                       workdir / f"consul-node{index + 1}.log"))
         yield nodes
     finally:
-        for proc in agents:
-            Container.end_spawned(proc)
-        for ctr in nodes:
-            ctr.power_off()
-        for ctr in nodes:
-            ctr.stop()
+        stop_nodes(nodes, agents)
         network.down()
 
 

@@ -21,7 +21,7 @@ import pytest
 from tests.conftest import container_binds, require_tool
 from tests.harness.agents import consul_binary, wait_for
 from tests.harness.netns import Network
-from tests.harness.nspawn import Container
+from tests.harness.nspawn import Container, stop_nodes
 from tests.test_install import install, journal, manifest, show, start_agent
 
 pytestmark = [pytest.mark.systemd, pytest.mark.consul]
@@ -59,12 +59,7 @@ def agent_cluster(consul_bin: str, workdir: Path, subnet: str, tag: str) -> Iter
                                       workdir / f"consul-node{index + 1}.log"))
         yield nodes
     finally:
-        for proc in agents:
-            Container.end_spawned(proc)
-        for ctr in nodes:
-            ctr.power_off()
-        for ctr in nodes:
-            ctr.stop()
+        stop_nodes(nodes, agents)
         if server:
             server.terminate()
             try:

@@ -192,3 +192,14 @@ def tear_down(ctr: "Container | None", agent: "subprocess.Popen[bytes] | None", 
     if ctr:
         ctr.stop()
     network.down()
+
+
+def stop_nodes(nodes: "list[Container]", agents: "list[subprocess.Popen[bytes]]") -> None:
+    """The end of a several-node fixture: every agent first (really stopped), then every node asked to power off
+    at once (they shut down side by side), then each made sure of."""
+    for proc in agents:
+        Container.end_spawned(proc)
+    for ctr in nodes:
+        ctr.power_off()
+    for ctr in nodes:
+        ctr.stop()
