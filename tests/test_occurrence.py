@@ -410,17 +410,26 @@ def test_nodes_firing_together_leave_the_occurrence_to_the_first_ranked(cluster:
                              "-c", f"echo {node} >> {tmp_path / job}", env={**env, **(hook_env or {})},
                              netns=agents[node].netns, stdout=subprocess.DEVNULL, stderr=err)
 
-    # Together: the client ranked second is waiting (no session anywhere) when the first starts.
-    first, second, last = _ranked(_yearly("together"), list(agents))
-    assert last == "node1"  # a server, after the clients
-    logs = {n: tmp_path / f"together-{n}.log" for n in (first, second)}
-    waiting = start(second, "together", logs[second])
-    wait_for(lambda: "leaving it to the nodes before it" in logs[second].read_text(), 30, f"{second} to wait")
+    # Together: the client ranked second is waiting (no session anywhere) when the first starts. The harness's
+    # fast gossip can take a member for failed for a moment on a loaded machine; a node that then cannot see
+    # every member claims at once (as it must), which is no test of the turns: such a try is made again.
+    for job in ("together", "together-2", "together-3"):
+        wait_for(lambda: all(sum(m["Status"] == 1 for m in a.get("agent/members")) == len(agents)
+                             for a in agents.values()), 30, "every member alive in every agent's view")
+        first, second, last = _ranked(_yearly(job), list(agents))
+        assert last == "node1"  # a server, after the clients
+        logs = {n: tmp_path / f"{job}-{n}.log" for n in (first, second)}
+        waiting = start(second, job, logs[second])
+        wait_for(lambda: "leaving it to the nodes before it" in logs[second].read_text()
+                 or "cannot see every member" in logs[second].read_text(), 30, f"{second} to wait")
+        if "cannot see every member" not in logs[second].read_text():
+            break
+        waiting.wait(timeout=60)
     assert cluster.server.get("session/list") == []
-    assert start(first, "together", logs[first]).wait(timeout=60) == 0, logs[first].read_text()
+    assert start(first, job, logs[first]).wait(timeout=60) == 0, logs[first].read_text()
     assert waiting.wait(timeout=60) == SKIP, logs[second].read_text()
     assert f"was claimed by {first}" in logs[second].read_text() and "lost the race" not in logs[second].read_text()
-    assert (tmp_path / "together").read_text().split() == [first]
+    assert (tmp_path / job).read_text().split() == [first]
     assert "ranked" not in logs[first].read_text()
 
     # A termination signal during the turn ends the run at once: 143, no session, nothing run.
