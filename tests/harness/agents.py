@@ -30,10 +30,47 @@ def consul_binary() -> str:
     return result.stdout.strip().splitlines()[-1]
 
 
+# Ports come from below Linux's ephemeral range (32768-60999 by default): a port the kernel hands out at
+# random (bind to 0) is free only until some process's outgoing connection takes it, which is how a dev
+# agent in CI once failed with "bind: address already in use". Each xdist worker has its own slice, each
+# process starts at its own place in it, and a port is handed out only when both TCP and UDP (Serf uses
+# both) bind it now.
+_PORTS_LOW, _PORTS_HIGH = 20000, 32000
+_handed_out: set[int] = set()
+
+
+def _worker_slice() -> range:
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw")
+    count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    width = (_PORTS_HIGH - _PORTS_LOW) // max(count, 1)
+    low = _PORTS_LOW + int(worker or 0) % max(count, 1) * width
+    return range(low, low + width)
+
+
+def _bindable(port: int) -> bool:
+    for kind in (socket.SOCK_STREAM, socket.SOCK_DGRAM):
+        with socket.socket(socket.AF_INET, kind) as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                return False
+    return True
+
+
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """A loopback port no other test process is likely to take before the caller binds it."""
+    ports = _worker_slice()
+    start = (os.getpid() * 7919 + len(_handed_out)) % len(ports)
+    for step in range(len(ports)):
+        port = ports[(start + step) % len(ports)]
+        if port not in _handed_out and _bindable(port):
+            _handed_out.add(port)
+            return port
+    raise RuntimeError(f"no free port in {ports.start}-{ports.stop - 1}")
+
+
+class AgentExited(RuntimeError):
+    """The agent's process ended while a test waited on it (wait_for does not swallow it)."""
 
 
 def wait_for(condition: Callable[[], Any], timeout: float, what: str, interval: float = 0.1) -> Any:
@@ -98,7 +135,11 @@ class Agent:
         self.process = _start(self.extra["cmd"], self.log_path, self.netns)
 
     def wait_leader(self, timeout: float = 30) -> str:
-        return wait_for(lambda: self.get("status/leader"), timeout, f"a Raft leader via {self.name}")
+        def leader() -> str:
+            if not self.alive():
+                raise AgentExited(f"{self.name} exited ({self.process.returncode}) before it had a leader")
+            return self.get("status/leader")
+        return wait_for(leader, timeout, f"a Raft leader via {self.name}")
 
     def wipe(self) -> None:
         """Empty the KV store and destroy every session, for a clean test."""
@@ -122,9 +163,12 @@ _FAST_GOSSIP = {"gossip_lan": {"probe_interval": "200ms", "probe_timeout": "100m
                                "gossip_interval": "100ms", "retransmit_mult": 2}}
 
 
-def start_dev_agent(binary: str, workdir: Path, name: str = "dev1", extra_config: dict[str, Any] | None = None) -> Agent:
-    """A single-node dev agent (server + client) on free loopback ports."""
+def start_dev_agent(binary: str, workdir: Path, name: str = "dev1", extra_config: dict[str, Any] | None = None,
+                    attempt: int = 1) -> Agent:
+    """A single-node dev agent (server + client) on free loopback ports (fresh ones when another process took
+    one first)."""
     extra = dict(extra_config or {})
+    extra_config_ports = "ports" in extra
     ports = {"http": free_port(), "dns": -1, "grpc": -1, "grpc_tls": -1, "serf_lan": free_port(),
              "serf_wan": free_port(), "server": free_port(), **extra.pop("ports", {})}
     config = workdir / f"{name}.json"
@@ -136,9 +180,13 @@ def start_dev_agent(binary: str, workdir: Path, name: str = "dev1", extra_config
     agent.extra["ports"] = ports
     try:
         agent.wait_leader()
-    except TimeoutError:
+    except (TimeoutError, AgentExited):
         agent.stop()
-        raise RuntimeError(f"dev agent did not elect itself leader; log:\n{log_path.read_text()[-3000:]}") from None
+        log = log_path.read_text()
+        if "address already in use" in log and not extra_config_ports and attempt < 3:
+            log_path.rename(log_path.with_suffix(f".log.{attempt}"))
+            return start_dev_agent(binary, workdir, name, extra_config, attempt + 1)
+        raise RuntimeError(f"dev agent did not elect itself leader; log:\n{log[-3000:]}") from None
     return agent
 
 
