@@ -17,9 +17,19 @@ from tests.harness.agents import Agent, wait_for
 from tests.test_run import SKIP, consulrun, finish
 
 
+class Paths(list):
+    """The paths requested, in order; `.requests` has each request's (method, path, body)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.requests: list[tuple[str, str, bytes]] = []
+
+
 class _Recorder(http.server.BaseHTTPRequestHandler):
     def do_GET(self) -> None:  # noqa: N802 - the http.server hook's name
         self.server.paths.append(self.path)  # type: ignore[attr-defined]
+        length = int(self.headers.get("Content-Length") or 0)
+        self.server.requests.append((self.command, self.path, self.rfile.read(length)))  # type: ignore[attr-defined]
         self.send_response(200)
         self.send_header("Content-Length", "2")
         self.end_headers()
@@ -35,7 +45,8 @@ class _Recorder(http.server.BaseHTTPRequestHandler):
 def monitor() -> Iterator[tuple[str, list[str]]]:
     """A Healthchecks.io stand-in on loopback: (base URL of one check, the paths requested, in order)."""
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Recorder)
-    server.paths = []  # type: ignore[attr-defined]
+    server.paths = Paths()  # type: ignore[attr-defined]
+    server.requests = server.paths.requests  # type: ignore[attr-defined]
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     try:
@@ -121,3 +132,22 @@ def test_result_suffix(outcome: dict, suffix: str) -> None:
                                      ("hc-ping.com/uuid", False), ("https://x/" + "a" * 2100, False)])
 def test_ping_url_rule(url: str, ok: bool) -> None:
     assert (ping_url_problem(url) is None) is ok
+
+
+def test_output_lines_need_a_ping_url() -> None:
+    code, _, err = finish(consulrun("run", "--ping-output-lines", "5", "nourl", "--", "true"))
+    assert code == 2 and "--ping-output-lines sends the output with the final ping: it needs --ping-url" in err, err
+
+
+def test_with_output_lines_the_final_ping_is_a_post_and_outside_a_unit_it_carries_nothing(
+        consul: Agent, monitor: tuple[str, list[str]], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The body is the run's journal, found by systemd's INVOCATION_ID: a hand run has none to send (the booted
+    test in test_onfailure.py reads a real journal)."""
+    url, paths = monitor
+    monkeypatch.delenv("INVOCATION_ID", raising=False)
+    code, _, err = finish(consulrun("run", "--ping-url", url, "--ping-output-lines", "5", "posted", "--",
+                                    "sh", "-c", "echo hi; exit 2"))
+    assert code == 2, err
+    rid = last_session(consul, "posted")
+    assert paths.requests == [  # type: ignore[attr-defined]
+        ("GET", f"/ping/c0ffee/start?rid={rid}", b""), ("POST", f"/ping/c0ffee/2?rid={rid}", b"")]

@@ -42,6 +42,9 @@ def _install_jobs(ctr: Container) -> None:
                    "retries": {"attempts": 3, "backoff": "2s"}},
         "flaky": {"command": ["sh", "-c", "echo attempt $CONSULRUN_ATTEMPT >> /shared/flaky-runs; "
                                           "[ $CONSULRUN_ATTEMPT -ge 2 ]"], "retries": {"attempts": 3, "backoff": "1s"}},
+        # issue 29, item 7: the final ping carries the run's last journal lines (the monitor: MONITOR below).
+        "posted": {"command": ["sh", "-c", "for i in 1 2 3 4 5 6 7 8; do echo output line $i; done; exit 4"],
+                   "ping_url": "http://127.0.0.1:8765/ping/c0ffee", "ping_output_lines": 4},
         # Every 4 s: a run that cannot reach Consul retries for at most half that (2 s) before exiting 69.
         "outage": {"command": ["true"], "schedule": "*:*:0/4",
                    "on_failure": ["sh", "-c", "echo $CONSULRUN_EXIT_STATUS >> /shared/outage-told"]},
@@ -52,6 +55,35 @@ def _install_jobs(ctr: Container) -> None:
                                     "on_failure": ["/usr/bin/python3", "-c", RECORD]})
     result = install(ctr, text, "--no-start")
     assert result.returncode == 0, result.stderr
+
+
+# A Healthchecks.io stand-in inside the node: each request's method, path and body as JSON, one file each.
+MONITOR = ("import http.server, json, itertools\n"
+           "n = itertools.count()\n"
+           "class H(http.server.BaseHTTPRequestHandler):\n"
+           "    def do_GET(self):\n"
+           "        body = self.rfile.read(int(self.headers.get('Content-Length') or 0)).decode()\n"
+           "        json.dump([self.command, self.path, body], open(f'/shared/ping-{next(n)}', 'w'))\n"
+           "        self.send_response(200); self.send_header('Content-Length', '2'); self.end_headers()\n"
+           "        self.wfile.write(b'OK')\n"
+           "    do_POST = do_GET\n"
+           "http.server.HTTPServer(('127.0.0.1', 8765), H).serve_forever()\n")
+
+
+def test_the_final_ping_carries_the_runs_last_journal_lines(node: Container) -> None:
+    node.exec("systemd-run", "--unit", "monitor", "/usr/bin/python3", "-c", MONITOR)
+    wait_for(lambda: node.exec("python3", "-c", "import socket; socket.create_connection(('127.0.0.1', 8765))",
+                               check=False).returncode == 0, 30, "the monitor listening")
+    assert node.systemctl("start", "consulrun-posted.service", check=False).returncode != 0
+    pings = wait_for(lambda: len(list(node.shared.glob("ping-*"))) >= 2 and
+                     [json.loads(p.read_text()) for p in sorted(node.shared.glob("ping-*"))], 30, "two pings")
+    (start_method, start_path, start_body), (method, path, body) = pings
+    assert (start_method, start_body) == ("GET", "") and start_path.startswith("/ping/c0ffee/start?rid=")
+    assert method == "POST" and path.startswith("/ping/c0ffee/4?rid=")
+    # The last 4 lines of this invocation's journal, in order: the job's last output, then the wrapper's lines
+    # up to the release (what journald stored when the run ended: the wrapper waits for its own mark).
+    assert body.splitlines() == ["output line 7", "output line 8", "consulrun: posted: job exited with status 4",
+                                 "consulrun: posted: released consulrun/posted/lock"], body
 
 
 def notified(node: Container, job: str) -> dict:

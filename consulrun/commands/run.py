@@ -43,6 +43,9 @@ class _RunCommand(click.Command):
 @click.option("--ping-url", metavar="URL",
               help="Healthchecks.io-style monitor: URL/start when the job starts here, then URL (exit 0), "
                    "URL/<status> or URL/fail (lost). A skipping node sends nothing; a failed ping never fails the job.")
+@click.option("--ping-output-lines", type=click.IntRange(1, 1000), metavar="N",
+              help="With --ping-url: the final ping is a POST of the last N lines of this run's journal (under a "
+                   "systemd unit; at most 10 kB).")
 @click.option("--health-check", is_flag=True,
               help="Also set the job's Consul health check (on the prefix's external node) from the result, "
                    "in the same transaction; if Consul refuses the check, the result is recorded without it.")
@@ -78,7 +81,7 @@ def run(job: str, command: tuple[str, ...], prefix: str, ttl: int, lock_delay: i
         wait: int, concurrency: int, skip_exit_code: int, schedules: tuple[str, ...], on_holder_loss: str,
         history: int, ping_url: str | None, health_check: bool, pass_consul_token: bool, timeout: int | None,
         skip_when_stopped: bool, node_meta: tuple[str, ...], node_names: tuple[str, ...], attempts: int,
-        retry_backoff: int, retry_max_backoff: int, start_deadline: int | None,
+        retry_backoff: int, retry_max_backoff: int, start_deadline: int | None, ping_output_lines: int | None,
         **consul: str | None) -> None:
     """Run COMMAND for JOB on this node only if this node gets JOB's Consul lock.
 
@@ -103,4 +106,4 @@ def run(job: str, command: tuple[str, ...], prefix: str, ttl: int, lock_delay: i
           history=history, ping_url=ping_url, health_check=health_check, pass_consul_token=pass_consul_token,
           timeout=timeout, skip_when_stopped=skip_when_stopped, node_meta=node_meta, node_names=node_names,
           attempts=attempts, retry_backoff=retry_backoff, retry_max_backoff=retry_max_backoff,
-          start_deadline=start_deadline, **consul)
+          start_deadline=start_deadline, ping_output_lines=ping_output_lines, **consul)

@@ -90,6 +90,7 @@ OPTIONS: dict[str, tuple[str, Callable[[str], Any] | None, Any, bool, str | None
     "--on-holder-loss": ("on_holder_loss", _one_of("skip", "retry"), "skip", False, None),
     "--history": ("history", _count(1, 1000), "20", False, None),
     "--ping-url": ("ping_url", _text, None, False, None),
+    "--ping-output-lines": ("ping_output_lines", _count(1, 1000), None, False, None),
     "--health-check": ("health_check", None, False, False, None),
     "--pass-consul-token": ("pass_consul_token", None, False, False, None),
     "--timeout": ("timeout", _duration((1, DURATION_MAX_MS)), None, False, None),
@@ -190,7 +191,8 @@ def start(job: str, command: tuple[str, ...], prefix: str, ttl: int, lock_delay:
           history: int, ping_url: str | None, health_check: bool, pass_consul_token: bool = False,
           timeout: int | None = None, skip_when_stopped: bool = False, node_meta: tuple[str, ...] = (),
           node_names: tuple[str, ...] = (), attempts: int = 1, retry_backoff: int = 10_000,
-          retry_max_backoff: int = 300_000, start_deadline: int | None = None, **consul: str | None) -> NoReturn:
+          retry_max_backoff: int = 300_000, start_deadline: int | None = None, ping_output_lines: int | None = None,
+          **consul: str | None) -> NoReturn:
     """Check what the options cannot check alone, then run the job under its lock and exit with its status."""
     problem = None if job == WATCHDOG_JOB else name_problem(job)  # the watchdog's own lock is one to run
     if problem:
@@ -207,6 +209,8 @@ def start(job: str, command: tuple[str, ...], prefix: str, ttl: int, lock_delay:
         raise UsageError("--start-deadline is about a scheduled occurrence: it needs --schedule")
     if retry_max_backoff < retry_backoff:
         raise UsageError("--retry-max-backoff must be at least --retry-backoff")
+    if ping_output_lines is not None and ping_url is None:
+        raise UsageError("--ping-output-lines sends the output with the final ping: it needs --ping-url")
     if ping_url is not None:
         from consulrun.protocol.notify import ping_url_problem
 
@@ -233,7 +237,8 @@ def start(job: str, command: tuple[str, ...], prefix: str, ttl: int, lock_delay:
                          on_holder_loss=on_holder_loss, history=history, ping_url=ping_url,
                          health_check=health_check, pass_consul_token=pass_consul_token, timeout_ms=timeout,
                          skip_when_stopped=skip_when_stopped, attempts=attempts, retry_backoff_ms=retry_backoff,
-                         retry_max_backoff_ms=retry_max_backoff, start_deadline_ms=start_deadline)
+                         retry_max_backoff_ms=retry_max_backoff, start_deadline_ms=start_deadline,
+                         ping_output_lines=ping_output_lines or 0)
     sys.exit(run_job(request, consul_config(consul)))
 
 

@@ -90,6 +90,7 @@ class Job:
     timer_settings: tuple[tuple[str, str], ...] = ()  # extra [Timer] lines, in order
     on_failure: tuple[str, ...] = ()  # argv run by <unit_prefix>-onfailure@<job>.service (OnFailure=)
     ping_url: str | None = None
+    ping_output_lines: int = 0  # the final ping's body: the run's journal's last lines (0: a GET, no body)
     pass_consul_token: bool = False  # the job's environment keeps the wrapper's CONSUL_HTTP_TOKEN(_FILE)
     hardening: str = "none"  # a sandbox preset (manifest.hardening), written before service_settings
     placement: Placement | None = None  # `nodes:`: which Consul nodes may run it (None: any)
@@ -401,6 +402,15 @@ def _check_start_deadline(problems: _Problems, defaults: dict[str, Any], jobs: d
             where = ("jobs", name, "start_deadline") if "start_deadline" in job else ("defaults", "start_deadline")
             problems.add(where, "a start deadline is of a scheduled occurrence, run by one holder: it needs "
                                 "lock.concurrency: 1")
+    for name, job in jobs.items():  # the final ping's body needs a ping (here or in defaults) to travel in
+        if isinstance(job, dict) and "ping_output_lines" in job and "ping_url" not in job and "ping_url" not in defaults:
+            problems.add(("jobs", name, "ping_output_lines"), "sends the output with the final ping: it needs ping_url")
+    if "ping_output_lines" in defaults and "ping_url" not in defaults:
+        for name, job in jobs.items():
+            if isinstance(job, dict) and "ping_url" not in job and "ping_output_lines" not in job:
+                problems.add(("defaults", "ping_output_lines"),
+                             f"sends the output with the final ping, and job {name!r} has no ping_url")
+                break
 
 
 def _retries(raw: dict[str, Any]) -> RetrySettings:
@@ -471,6 +481,7 @@ def _build(source: str, data: dict[str, Any], problems: _Problems) -> Manifest:
             timer_settings=_settings({**defaults.get("timer", {}), **raw.get("timer", {})}),
             on_failure=_on_failure(problems, name, raw, defaults),
             ping_url=raw.get("ping_url", defaults.get("ping_url")),
+            ping_output_lines=raw.get("ping_output_lines", defaults.get("ping_output_lines", 0)),
             pass_consul_token=raw.get("pass_consul_token", False),
             hardening=raw.get("hardening", defaults.get("hardening", "none")),
             placement=_placement(raw.get("nodes", defaults.get("nodes"))),

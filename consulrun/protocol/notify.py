@@ -50,17 +50,29 @@ def result_suffix(outcome: dict[str, Any]) -> str:
     return "" if status == 0 else f"/{status}"
 
 
-class Pings:
-    """The pings of one run: `start()` when the job has started, `finish(outcome)` when it is over."""
+OUTPUT_BYTES_MAX = 10_000  # of the journal's tail in the final ping: Healthchecks.io keeps 100 kB, mail less
+OUTPUT_MARK = "the run's last journal lines go with the final ping"
+OUTPUT_WAIT_S = 1.0  # for journald to store the mark; then the tail goes as it is
 
-    def __init__(self, url: str | None, job: str, timeout_s: float = PING_TIMEOUT_S, rid: str | None = None) -> None:
+
+class Pings:
+    """The pings of one run: `start()` when the job has started, `finish(outcome)` when it is over.
+
+    With `output_lines`, the final ping is a POST whose body is the last lines of this run's journal (the
+    job's output and the wrapper's lines, by systemd's INVOCATION_ID: only under a unit), read in the ping
+    thread when the run has ended: what journald has stored by then.
+    """
+
+    def __init__(self, url: str | None, job: str, timeout_s: float = PING_TIMEOUT_S, rid: str | None = None,
+                 output_lines: int = 0) -> None:
         self.url = url.rstrip("/") if url else None
         self.job = job
+        self.output_lines = output_lines
         # Healthchecks.io's run id (a UUID) pairs a run's start and end pings, so two runs overlapping in the
         # monitor's view (a takeover on another node) are timed apart; the run's Consul session id is one.
         self.query = f"?rid={rid}" if rid else ""
         self.timeout_s = timeout_s
-        self._queue: queue.Queue[str | None] = queue.Queue()
+        self._queue: queue.Queue[tuple[str, bool] | None] = queue.Queue()  # (URL, with the journal's tail)
         self._thread: threading.Thread | None = None
         self._finished = False
         self._sending: str | None = None  # the URL being requested now, for the exit-time warning
@@ -72,7 +84,11 @@ class Pings:
         if self._finished:
             return
         self._finished = True
-        self._send(result_suffix(outcome))
+        if self.output_lines and self.url:
+            # The job's output and this line share the unit's one journal stream, in order: once journald has
+            # stored this line, it has stored all the job wrote before it (the ping thread waits for it).
+            log.info("%s: %s", self.job, OUTPUT_MARK)
+        self._send(result_suffix(outcome), with_output=self.output_lines > 0)
         if self._thread is not None:
             self._queue.put(None)
             atexit.register(self._wait, time.monotonic() + self.timeout_s)
@@ -88,28 +104,45 @@ class Pings:
             log.warning("%s: ping %s failed: no answer within %s; not waiting longer", self.job,
                         _redacted(sending) if sending else "(queued)", duration(self.timeout_s))
 
-    def _send(self, suffix: str) -> None:
+    def _send(self, suffix: str, with_output: bool = False) -> None:
         if not self.url:
             return
         if self._thread is None:
             self._thread = threading.Thread(target=self._worker, name="consulrun-ping", daemon=True)
             self._thread.start()
-        self._queue.put(self.url + suffix + self.query)
+        self._queue.put((self.url + suffix + self.query, with_output))
 
     def _worker(self) -> None:
         while True:
-            url = self._queue.get()
-            if url is None:
+            item = self._queue.get()
+            if item is None:
                 return
+            url, with_output = item
             self._sending = url
             try:
                 import urllib.request  # here: a run without a ping URL (most) does not pay for it
 
-                request = urllib.request.Request(url, headers={"User-Agent": "consulrun"})
+                body = self._output() if with_output else None
+                request = urllib.request.Request(url, data=body, headers={"User-Agent": "consulrun"})
                 with urllib.request.urlopen(request, timeout=self.timeout_s) as response:  # noqa: S310 - http(s) only
                     response.read(1024)
             except (OSError, ValueError) as exc:  # urllib.error.URLError is an OSError
                 log.warning("%s: ping %s failed: %s", self.job, _redacted(url), getattr(exc, "reason", exc))
+
+
+    def _output(self) -> bytes:
+        """The tail of this run's journal, at most OUTPUT_BYTES_MAX bytes of it; empty outside a unit."""
+        invocation = os.environ.get("INVOCATION_ID", "")
+        if not re.fullmatch(r"[0-9a-f]{32}", invocation):
+            return b""
+        give_up = time.monotonic() + OUTPUT_WAIT_S
+        while True:
+            tail = _journal(invocation, "", self.output_lines + 1)
+            if OUTPUT_MARK in tail or time.monotonic() > give_up:
+                break
+            time.sleep(0.1)
+        lines = [line for line in tail.splitlines() if not line.endswith(OUTPUT_MARK)][-self.output_lines:]
+        return "\n".join(lines).encode("utf-8", "replace")[-OUTPUT_BYTES_MAX:]
 
 
 def _redacted(url: str) -> str:
@@ -207,10 +240,10 @@ def _systemctl_show(unit: str, props: list[str]) -> dict[str, str]:
     return dict(line.split("=", 1) for line in out.splitlines() if "=" in line)
 
 
-def _journal(invocation: str, unit: str) -> str:
+def _journal(invocation: str, unit: str, lines: int = JOURNAL_LINES) -> str:
     match = [f"_SYSTEMD_INVOCATION_ID={invocation}"] if invocation else ["-u", unit]
     try:
-        out = subprocess.run(["journalctl", "--no-pager", "-q", "-o", "cat", "-n", str(JOURNAL_LINES), *match],
+        out = subprocess.run(["journalctl", "--no-pager", "-q", "-o", "cat", "-n", str(lines), *match],
                              capture_output=True, text=True, timeout=10).stdout
     except (OSError, subprocess.TimeoutExpired):
         return ""

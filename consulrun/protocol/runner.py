@@ -66,6 +66,7 @@ class RunRequest:
     on_holder_loss: str = "skip"
     history: int = 20
     ping_url: str | None = None  # Healthchecks.io-style monitor (notify.py)
+    ping_output_lines: int = 0  # the final ping carries this many of the run's last journal lines
     health_check: bool = False  # the result also sets the job's Consul health check (health.py)
     pass_consul_token: bool = False  # the job keeps CONSUL_HTTP_TOKEN(_FILE) (the manifest's pass_consul_token)
     timeout_ms: int | None = None  # the job's own time limit, from its start (stops.py)
@@ -369,7 +370,7 @@ def _run_held(request: RunRequest, locker: Locker, held: Held, fencing: Fencing,
     status: int = ExitCode.SOFTWARE
     from consulrun.protocol.notify import Pings
 
-    pings = Pings(request.ping_url, spec.job, rid=held.session)
+    pings = Pings(request.ping_url, spec.job, rid=held.session, output_lines=request.ping_output_lines)
     try:
         testhook.pause("acquired", lambda: bool(signals.received))
         if signals.received:

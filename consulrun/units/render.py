@@ -96,6 +96,7 @@ def run_argv(manifest: Manifest, job: Job, consulrun_path: str) -> list[str]:
         argv += ["--start-deadline", format_duration(job.start_deadline_ms)] if job.start_deadline_ms else []
     if job.ping_url:
         argv += ["--ping-url", job.ping_url]
+        argv += ["--ping-output-lines", str(job.ping_output_lines)] if job.ping_output_lines else []
     if manifest.health_checks and job.name != WATCHDOG_JOB:
         argv += ["--health-check"]
     if job.pass_consul_token:
@@ -109,8 +110,6 @@ def run_argv(manifest: Manifest, job: Job, consulrun_path: str) -> list[str]:
 
 
 WATCHDOG_JOB = "_watchdog"  # consulrun.protocol.health.WATCHDOG_JOB: a name no manifest job can have
-
-
 WATCHDOG_JOBS_SUFFIX = ".jobs"
 OWNED_SUFFIXES = (".service", ".timer", WATCHDOG_JOBS_SUFFIX)  # what generate and install replace and remove
 
