@@ -365,3 +365,13 @@ def test_install_asks_the_agent_the_units_will_call_not_this_shell_s(tmp_path: P
         warned = agent_warnings(None)
         assert warned[0] == (f"CONSUL_HTTP_ADDR=127.0.0.1:{silent} here does not reach the units: they call the "
                              "agent at 127.0.0.1:8500 (set consul.address in the manifest to change that)"), warned
+
+
+def test_the_connection_parameters_are_the_connection_options() -> None:
+    """units_consul_config names every connection option (a new one would otherwise reach Consul unset)."""
+    import click
+
+    from consulrun.commands.options import CONSUL_PARAMETERS, agent_options
+
+    command = click.command()(agent_options(lambda **_: None))
+    assert tuple(p.name for p in command.params) == CONSUL_PARAMETERS

@@ -134,13 +134,11 @@ def _this_node(loaded: "Manifest", root: Path | None) -> tuple[tuple[str, dict[s
     if root is not None:
         return None, [f"an image has no Consul node yet: {', '.join(placed)} installed whatever their nodes: say "
                       "(a run on a node they do not name skips)"]
+    from consulrun.commands.options import units_consul_config
     from consulrun.consul.client import Client
-    from consulrun.consul.client import consul_config as build
 
-    try:  # as the units reach the agent: the manifest being installed chooses where its units send the token
-        kwargs = dict.fromkeys(("http_addr", "token_file", "ca_file", "ca_path", "client_cert", "client_key",
-                                "tls_server_name"))
-        return Client(build({**kwargs, "trust_manifest_consul": True}, loaded.consul)).node_identity(), []
+    try:
+        return Client(units_consul_config(loaded.consul)).node_identity(), []
     except ConsulrunError as exc:
         return None, [f"this node's Consul name and meta cannot be read ({exc}): {', '.join(placed)} installed "
                       "whatever their nodes: say (a run on a node they do not name skips)"]

@@ -158,8 +158,17 @@ def consul_options(func: Callable[..., Any]) -> Callable[..., Any]:
     return agent_options(TRUST_MANIFEST_CONSUL(func))
 
 
+CONSUL_PARAMETERS = ("http_addr", "token_file", "ca_file", "ca_path", "client_cert", "client_key", "tls_server_name")
+
+
 def consul_config(kwargs: dict[str, Any], manifest_consul: "ConsulSettings | None" = None) -> "ConsulConfig":
     """consulrun.consul.client.consul_config, imported only by the commands that talk to Consul."""
     from consulrun.consul.client import consul_config as build
 
     return build(kwargs, manifest_consul)
+
+
+def units_consul_config(manifest_consul: "ConsulSettings | None") -> "ConsulConfig":
+    """Consul as the units a manifest installs reach it: the environment and the manifest's `consul:`, no option
+    (the manifest being installed chooses where its units send the token)."""
+    return consul_config({**dict.fromkeys(CONSUL_PARAMETERS), "trust_manifest_consul": True}, manifest_consul)
