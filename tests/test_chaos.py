@@ -107,6 +107,25 @@ def test_checker_finds_a_lost_occurrence_under_retry_only_where_the_condition_ho
     assert len(dense["jobs"]["r"]["lost_with_healthy_node"]) == 1
 
 
+def test_the_totals_count_retry_jobs_apart_where_their_condition_does_not_hold(tmp_path: Path) -> None:
+    """The evidence run's counts per policy: a lost occurrence of a dense job must not hide in the claimed row."""
+    from bench.chaos.report import totals
+
+    killed = _run("r", "c1", 100, OCC[0], 10, T0 + 0.5, 5, ended=False)
+    history = sorted([*_fires("r", 0), *_fires("s", 1), *killed, *_run("s", "c2", 200, OCC[1], 11, T0 + 5.2, 3)],
+                     key=lambda line: line["t"])
+    nemesis = [{"t": T0 + 1.05, "ev": "fault", "id": 1, "kind": "wrapper-kill", "node": "c1", "wrapper": 99},
+               {"t": T0 + 1.05, "ev": "heal", "id": 1, "kind": "wrapper-kill", "recovered": T0 + 1.1}]
+    rows = {line.split(" | ")[0].lstrip("| "): line.split(" | ") for line in totals(
+        _write(tmp_path / "dense", history, nemesis, retry_condition=False))[2:]}
+    assert set(rows) == {"skip", "retry (condition does not hold)"}
+    assert rows["retry (condition does not hold)"][5] == "1"  # lost with a healthy node, counted apart
+    assert rows["skip"][1:5] == ["1", str(_write(tmp_path / "d2", history, nemesis)["jobs"]["s"]["occurrences"]),
+                                 "0", "0"]
+    claimed = {line.split(" | ")[0].lstrip("| ") for line in totals(_write(tmp_path / "holds", history, nemesis))[2:]}
+    assert claimed == {"skip", "retry"}
+
+
 def test_checker_allows_a_holders_retries_up_to_its_attempts_and_no_more(tmp_path: Path) -> None:
     """Runs of one occurrence under one fencing token are one holder's attempts (retries:): within `attempts`
     they are no duplicate, even under skip; one more is a violation. Without retries (attempts 1), two runs

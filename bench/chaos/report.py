@@ -31,6 +31,7 @@ def markdown(report: dict[str, Any]) -> str:
                    f"| {len(e['overlaps'])} | {len(e['pause_overlaps'])} ({rejected}/{stale}) "
                    f"| {e['started_more_than_once']} | {e['completed_more_than_once']} | {lost} | {e['never_started']} "
                    f"| {statuses} |")
+    out += ["", *totals(report)]
     out += ["", "| job | latency (s) | n | p50 | p90 | p99 | max |", "|---|---|---|---|---|---|---|"]
     for job, e in report["jobs"].items():
         rows = [(f"fencing: {k}", v) for k, v in e["fencing_latency_s"].items()]
@@ -47,3 +48,26 @@ def markdown(report: dict[str, Any]) -> str:
                                                                   if k not in ("kind", "job", "evidence")}))
         out += [f"    {json.dumps(ln)}" for ln in v.get("evidence", [])[:8]]
     return "\n".join(out) + "\n"
+
+
+def totals(report: dict[str, Any]) -> list[str]:
+    """One row per policy over the jobs the guarantees are claimed for (under `retry`, those whose density
+    condition holds), and the denser jobs apart: the counts the evidence issue asks for."""
+    groups: dict[str, list[dict[str, Any]]] = {}
+    for e in report["jobs"].values():
+        beyond = e["policy"] == "retry" and not e.get("retry_condition_holds")
+        groups.setdefault(e["policy"] + (" (condition does not hold)" if beyond else ""), []).append(e)
+    out = ["| policy | jobs | occurrences | overlaps (outside pauses) | started twice | lost with a healthy node "
+           "| worst fencing p100 (s) | worst takeover p99 (s) |", "|" + "---|" * 8]
+    for name, jobs in groups.items():
+        def worst(key: str, field: str) -> object:
+            values = [e[key][k][field] if key == "fencing_latency_s" else e[key][field]
+                      for e in jobs for k in (e[key] if key == "fencing_latency_s" else [None])]
+            values = [v for v in values if v is not None]
+            return max(values) if values else "none"
+        lost = sum(len(e["lost_with_healthy_node"]) for e in jobs) if name.startswith("retry") else "n/a"
+        takeover = worst("takeover_latency_s", "p99") if name.startswith("retry") else "n/a"
+        out.append(f"| {name} | {len(jobs)} | {sum(e['occurrences'] for e in jobs)} "
+                   f"| {sum(len(e['overlaps']) for e in jobs)} | {sum(e['started_more_than_once'] for e in jobs)} "
+                   f"| {lost} | {worst('fencing_latency_s', 'max')} | {takeover} |")
+    return out
