@@ -27,6 +27,8 @@ from consulrun.protocol.fencing import Fencing, stop_timeout_ms
 from tests.harness.agents import Agent, wait_for
 from tests.test_run import SKIP, consulrun, finish, gated_job, kv_json, lock_entry, pid_alive
 
+REPO = Path(__file__).resolve().parents[1]
+
 pytestmark = pytest.mark.consul
 
 YEARLY = "*-01-01 00:00:00 UTC"
@@ -1309,7 +1311,26 @@ def test_nothing_listening_long_after_boot_is_an_outage_at_once(tmp_path: Path) 
     from consulrun.protocol.procinfo import system_age
     from consulrun.protocol.runner import BOOTING_S
 
-    assert (system_age() or 0) > BOOTING_S, "this host booted too recently for this test"
+    age = system_age()
+    assert age is None or age > BOOTING_S, "this host booted too recently for this test"
     code, _, err = finish(consulrun("run", "--schedule", YEARLY, "downagent", "--", "true",
                                     env={"CONSUL_HTTP_ADDR": "127.0.0.1:9"}), timeout=30)
     assert code == 69 and err.count("\n") == 1 and "connection refused" in err, err
+
+
+def test_a_fresh_pid_namespace_is_no_boot(tmp_path: Path) -> None:
+    """A command that is PID 1 of a new PID namespace (`unshare -p`, a one-off container) has a young PID 1 that
+    boots nothing: nothing listening is an outage at once, not an agent still starting (red team, session 10)."""
+    from consulrun.protocol.procinfo import INIT_NAMES
+
+    script = (f"import sys; sys.path.insert(0, {str(REPO)!r}); from consulrun.protocol.procinfo import system_age; "
+              "print(open('/proc/1/comm').read().strip(), system_age())")
+    seen = subprocess.run(["unshare", "--pid", "--fork", "--mount-proc", sys.executable, "-c", script],
+                          capture_output=True, text=True, timeout=30)
+    assert seen.returncode == 0, seen.stderr
+    comm, age = seen.stdout.split()
+    assert comm not in INIT_NAMES and age == "None", seen.stdout  # PID 1 is that python, just started
+    run = subprocess.run(["unshare", "--pid", "--fork", "--mount-proc", sys.executable, "-m", "consulrun", "run",
+                          "--schedule", YEARLY, "freshns", "--", "true"], capture_output=True, text=True, timeout=30,
+                         env={**os.environ, "CONSUL_HTTP_ADDR": "127.0.0.1:9", "PYTHONPATH": str(REPO)})
+    assert run.returncode == 69 and run.stderr.count("\n") == 1 and "connection refused" in run.stderr, run.stderr

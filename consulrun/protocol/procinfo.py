@@ -74,9 +74,19 @@ def process_start(pid: int) -> int | None:
     return stat[1]
 
 
+INIT_NAMES = ("systemd", "init")  # /proc/1/comm of a system that boots (systemd, also as /sbin/init; sysvinit)
+
+
 def system_age() -> float | None:
     """Seconds since this system's init (PID 1 of our PID namespace) started: since the boot of the machine, or of
-    the container we run in; None if that cannot be read (a /proc mounted with hidepid)."""
+    the container we run in; None if that cannot be read (a /proc mounted with hidepid), or if PID 1 is no init
+    (a fresh PID namespace whose first process is a command, `unshare -p` or a one-off container, boots nothing)."""
+    try:
+        with open("/proc/1/comm", encoding="utf-8", errors="replace") as handle:
+            if handle.read().strip() not in INIT_NAMES:
+                return None
+    except OSError:
+        return None
     start = process_start(1)
     if start is None:
         return None
