@@ -1,0 +1,221 @@
+"""Job chains (`after:`): the manifest's refusals, the units, and the protocol on a real dev agent."""
+
+from __future__ import annotations
+
+import base64
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from consulrun.errors import ManifestError
+from consulrun.manifest.loader import parse_manifest
+from tests.harness.agents import Agent, wait_for
+from tests.test_run import consulrun, finish, kv_json
+
+YEARLY = "*-01-01 00:00:00 UTC"  # an occurrence that is always in the past and long before the next
+
+
+def _messages(text: str) -> str:
+    with pytest.raises(ManifestError) as caught:
+        parse_manifest(text, "m.yaml")
+    return "\n".join(caught.value.problems)
+
+
+def _put(consul: Agent, key: str, value: str) -> None:
+    consul.api("PUT", f"kv/{key}", data=value.encode())
+
+
+JOBS = "jobs:\n  a:\n    command: /bin/true\n    schedule: daily\n"
+
+
+@pytest.mark.parametrize(("after", "where", "said"), [
+    ("[zz]", "m.yaml:7:13: jobs.b.after[0]", "unknown job 'zz'"),
+    ("[aa]", "m.yaml:7:13: jobs.b.after[0]", "unknown job 'aa' (did you mean 'a'?)"),
+    ("[b]", "m.yaml:7:13: jobs.b.after[0]", "job 'b' cannot run after itself"),
+    ("[a, {job: a, on: failure}]", "m.yaml:7:22: jobs.b.after[1].job", "names job 'a' twice"),
+    ("[{job: a, on: never}]", "m.yaml:7:13: jobs.b.after[0]", "{'job': 'a', 'on': 'never'} must be a job name or a mapping"),
+])
+def test_after_refuses_unknown_self_and_twice_with_file_line_and_field(after: str, where: str, said: str) -> None:
+    text = JOBS + f"  b:\n    command: /bin/true\n    after: {after}\n"
+    message = _messages(text)
+    assert f"{where}: {said}" in message, message
+
+
+def test_a_cycle_is_refused_at_the_entry_that_closes_it_with_the_loop_spelled_out() -> None:
+    text = JOBS + ("  b:\n    command: /bin/true\n    after: [c]\n"
+                   "  c:\n    command: /bin/true\n    after:\n      - job: d\n        on: always\n"
+                   "  d:\n    command: /bin/true\n    after: [b, a]\n")
+    message = _messages(text)
+    assert "m.yaml:15:13: jobs.d.after[0]: a cycle: 'b' runs after 'c' runs after 'd' runs after 'b'" in message, message
+    assert message.count("a cycle") == 1, message
+
+
+def test_a_job_needs_a_schedule_or_after_and_a_chain_needs_one_holder() -> None:
+    assert "jobs.b: missing required key 'schedule'" in _messages(JOBS + "  b:\n    command: /bin/true\n")
+    text = JOBS + "  b:\n    command: /bin/true\n    after: [a]\n    lock: {concurrency: 2}\n"
+    assert "jobs.b.after[0]: it runs with lock.concurrency above 1" in _messages(text)
+
+
+def test_after_takes_names_and_mappings_and_on_is_a_word_not_yaml_s_boolean() -> None:
+    text = JOBS + ("  b:\n    command: /bin/true\n    after: [a]\n"
+                   "  c:\n    command: /bin/true\n    schedule: weekly\n    after:\n      - job: b\n        on: failure\n"
+                   "      - {job: a, on: always}\n")
+    manifest = parse_manifest(text, "m.yaml")
+    jobs = {job.name: job for job in manifest.jobs}
+    assert jobs["b"].after == (("a", "success"),) and jobs["b"].schedules == ()
+    assert jobs["c"].after == (("b", "failure"), ("a", "always")) and jobs["c"].schedules == ("weekly",)
+
+
+def test_units_join_parent_and_child_and_an_after_only_job_has_a_watcher_and_no_timer() -> None:
+    from consulrun.units.render import render
+
+    text = JOBS + ("  b:\n    command: /bin/true\n    after: [{job: a, on: always}]\n    nodes: {names: [n1]}\n"
+                   "  c:\n    command: /bin/true\n    schedule: weekly\n    after: [b]\n")
+    units = render(parse_manifest(text, "m.yaml"), "/usr/bin/consulrun")
+    assert "consulrun-b.timer" not in units and "consulrun-c.timer" in units
+    assert " --then b:always " in units["consulrun-a.service"]
+    assert " --after a --then c:success " in units["consulrun-b.service"]
+    watcher = units["consulrun-after@b.service"]
+    assert "ExecStart=/usr/bin/consulrun chain-watch --prefix consulrun --unit consulrun-b.service --node-name n1 b" \
+        in watcher and "Restart=always" in watcher and "WantedBy=multi-user.target" in watcher
+    assert "consulrun-after@a.service" not in units and "consulrun-after@c.service" in units
+
+
+def _run(*args: str, env: dict[str, str] | None = None) -> tuple[int, str, str]:
+    return finish(consulrun("run", *args, env=env))
+
+
+def _parent(tmp: Path, status: int = 0, *extra: str) -> tuple[int, str, str]:
+    return _run("--schedule", YEARLY, *extra, "--then", "child:success", "--then", "onfail:failure", "parent", "--",
+                "sh", "-c", f"echo parent >> {tmp}/parent; exit {status}")
+
+
+def _child(tmp: Path, name: str = "child", *extra: str) -> tuple[int, str, str]:
+    env_line = "$CONSULRUN_PARENT_JOB $CONSULRUN_PARENT_OCCURRENCE $CONSULRUN_PARENT_STATE " \
+               "$CONSULRUN_PARENT_EXIT_STATUS $CONSULRUN_OCCURRENCE"
+    return _run("--after", "parent", *extra, name, "--", "sh", "-c", f'echo "{env_line}" >> {tmp}/{name}')
+
+
+@pytest.mark.consul
+def test_a_parent_s_end_is_a_request_written_with_its_result_and_the_child_runs_once_for_it(
+        consul: Agent, tmp_path: Path) -> None:
+    from datetime import datetime, timezone
+
+    occ = f"{datetime.now(timezone.utc).year}-01-01T00:00:00Z"
+    code, _, err = _child(tmp_path)
+    assert code == 0 and "no run after parent is pending" in err, err  # nothing asked: a skip, nothing written
+    code, _, err = _parent(tmp_path)
+    assert code == 0, err
+    request = kv_json(consul, f"consulrun/child/after/parent/{occ}")
+    assert request and request["parent"] == "parent" and request["occurrence"] == occ, request
+    assert request["state"] == "done" and request["exit_status"] == 0 and request["node"] == "dev1", request
+    assert kv_json(consul, f"consulrun/onfail/after/parent/{occ}") is None  # on: failure, and it succeeded
+    # The request and the parent's result came in one transaction: the same index.
+    record = consul.get("kv/consulrun/parent/history/" + occ)
+    req_entry = consul.get(f"kv/consulrun/child/after/parent/{occ}")
+    assert record[0]["ModifyIndex"] == req_entry[0]["ModifyIndex"], (record, req_entry)
+
+    code, _, err = _child(tmp_path)
+    assert code == 0, err
+    assert (tmp_path / "child").read_text() == f"parent {occ} done 0 {occ}~after~parent\n"
+    assert kv_json(consul, f"consulrun/child/after/parent/{occ}") is None  # consumed
+    entry = kv_json(consul, f"consulrun/child/history/{occ}~after~parent")
+    assert entry and entry["state"] == "done" and entry["exit_status"] == 0, entry
+    assert entry["after"] == {"job": "parent", "occurrence": occ, "state": "done", "exit_status": 0, "node": "dev1",
+                              "ended": request["ended"]}, entry
+    code, _, err = _child(tmp_path)  # once: nothing more is pending
+    assert code == 0 and "no run after parent is pending" in err, err
+    assert (tmp_path / "child").read_text().count("\n") == 1
+
+    # Written again (a forged or re-recorded request): its history entry keeps the run to one.
+    _put(consul, f"consulrun/child/after/parent/{occ}", base64.b64decode(req_entry[0]["Value"]).decode())
+    code, _, err = _child(tmp_path)
+    assert code == 0 and "has run already" in err, err
+    assert (tmp_path / "child").read_text().count("\n") == 1
+    assert kv_json(consul, f"consulrun/child/after/parent/{occ}") is None  # the spent request removed
+
+    code, out, err = finish(consulrun("history", "--prefix", "consulrun", "child"))
+    assert code == 0 and f"after parent {occ} (exit 0)" in out, (out, err)
+
+
+@pytest.mark.consul
+def test_on_failure_follows_a_failed_final_attempt_and_not_the_retried_ones(consul: Agent, tmp_path: Path) -> None:
+    from datetime import datetime, timezone
+
+    occ = f"{datetime.now(timezone.utc).year}-01-01T00:00:00Z"
+    code, _, err = _parent(tmp_path, 3, "--attempts", "2", "--retry-backoff", "0s")
+    assert code == 3, err
+    assert (tmp_path / "parent").read_text() == "parent\nparent\n"
+    assert kv_json(consul, f"consulrun/child/after/parent/{occ}") is None  # on: success
+    request = kv_json(consul, f"consulrun/onfail/after/parent/{occ}")
+    assert request and request["exit_status"] == 3, request
+    code, _, err = _child(tmp_path, "onfail")
+    assert code == 0, err
+    assert (tmp_path / "onfail").read_text() == f"parent {occ} done 3 {occ}~after~parent\n"
+
+
+@pytest.mark.consul
+def test_a_chained_run_past_the_child_s_start_deadline_is_recorded_missed_and_a_paused_one_skipped(
+        consul: Agent, tmp_path: Path) -> None:
+    import json
+
+    def request(occ: str, ended: str) -> None:
+        _put(consul, f"consulrun/child/after/parent/{occ}", json.dumps(
+            {"parent": "parent", "occurrence": occ, "state": "done", "exit_status": 0, "node": "x", "ended": ended}))
+
+    request("2020-01-01T00:00:00Z", "2020-01-01T00:00:05Z")
+    code, _, err = _child(tmp_path, "child", "--start-deadline", "1h")
+    assert code == 0 and "recorded it missed" in err, err
+    entry = kv_json(consul, "consulrun/child/history/2020-01-01T00:00:00Z~after~parent")
+    assert entry and entry["state"] == "missed" and "start_deadline" in entry["reason"], entry
+    assert not (tmp_path / "child").exists()
+    assert finish(consulrun("pause", "--prefix", "consulrun", "child"))[0] == 0
+    from datetime import datetime, timezone
+
+    now = datetime.now(timezone.utc).isoformat(timespec="seconds").replace("+00:00", "Z")
+    request("2026-01-01T00:00:00Z", now)
+    code, _, err = _child(tmp_path)
+    assert code == 0 and "recorded it skipped" in err, err
+    assert not (tmp_path / "child").exists()
+    assert kv_json(consul, "consulrun/child/after/parent/2026-01-01T00:00:00Z") is None
+
+
+@pytest.mark.consul
+def test_the_watcher_starts_the_unit_for_a_request_and_writes_nothing_while_idle(consul: Agent,
+                                                                                 tmp_path: Path) -> None:
+    from consulrun.consul.client import Client, ConsulConfig
+    from consulrun.protocol.chainwatch import watch
+
+    started: list[str] = []
+
+    def start_unit(unit: str) -> subprocess.CompletedProcess[str]:
+        started.append(unit)
+        code, out, err = _child(tmp_path)
+        return subprocess.CompletedProcess([unit], code, out, err)
+
+    stop = threading.Event()
+    client = Client(ConsulConfig.from_env({}, address=consul.http_addr))
+    before = requests_index(consul)
+    thread = threading.Thread(target=watch, args=(client, "consulrun/child", "consulrun-child.service", start_unit),
+                              kwargs={"stop": stop.is_set}, daemon=True)
+    thread.start()
+    try:
+        time.sleep(2)  # idle: the watcher blocks on its read (a wall-clock wait only to give it the chance to write)
+        assert requests_index(consul) == before, "the idle watcher wrote"
+        assert started == []
+        code, _, err = _parent(tmp_path)
+        assert code == 0, err
+        wait_for(lambda: (tmp_path / "child").exists(), 30, "the chained run")
+        assert started == ["consulrun-child.service"]
+    finally:
+        stop.set()
+        _put(consul, "consulrun/child/after/wake", "x")  # ends the blocking read
+        thread.join(timeout=30)
+
+
+def requests_index(consul: Agent) -> int:
+    """Raft's applied index as the dev agent reports it: it grows with every write."""
+    return int(consul.get("agent/self")["Stats"]["raft"]["applied_index"])
