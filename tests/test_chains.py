@@ -12,7 +12,7 @@ import pytest
 
 from consulrun.errors import ManifestError
 from consulrun.manifest.loader import parse_manifest
-from tests.harness.agents import Agent, wait_for
+from tests.harness.agents import Agent, Cluster, wait_for
 from tests.test_run import consulrun, finish, kv_json
 
 YEARLY = "*-01-01 00:00:00 UTC"  # an occurrence that is always in the past and long before the next
@@ -219,3 +219,65 @@ def test_the_watcher_starts_the_unit_for_a_request_and_writes_nothing_while_idle
 def requests_index(consul: Agent) -> int:
     """Raft's applied index as the dev agent reports it: it grows with every write."""
     return int(consul.get("agent/self")["Stats"]["raft"]["applied_index"])
+
+
+@pytest.mark.cluster
+def test_the_parent_s_node_dies_right_after_finishing_and_the_child_runs_once_elsewhere(cluster: Cluster,
+                                                                                       tmp_path: Path) -> None:
+    """A runs on node2, whose agent is killed the moment A's wrapper exits; B is installed on node1 and node3,
+    each with its watcher: the request A's result wrote survives node2, both watchers see it and start B, and
+    B runs once, on one of them."""
+    from consulrun.consul.client import Client, ConsulConfig
+    from consulrun.protocol.chainwatch import watch
+
+    node1 = cluster.server
+    node2, node3 = cluster.clients
+    env = {"CONSUL_HTTP_ADDR": "127.0.0.1:8500"}
+    ran = tmp_path / "ran"
+    calls: list[str] = []
+    in_flight = [0]
+
+    def starter(agent: Agent):  # noqa: ANN202 - what systemctl start of B's unit does on that node
+        def start_unit(unit: str) -> subprocess.CompletedProcess[str]:
+            calls.append(agent.name)
+            in_flight[0] += 1
+            try:
+                code, out, err = finish(consulrun("run", "--after", "a", "b", "--", "sh", "-c",
+                                                  f'echo "$CONSULRUN_PARENT_OCCURRENCE {agent.name}" >> {ran}',
+                                                  env=env, netns=agent.netns), timeout=120)
+            finally:
+                in_flight[0] -= 1
+            return subprocess.CompletedProcess([unit], code, out, err)
+        return start_unit
+
+    stop = threading.Event()
+    watchers = [threading.Thread(target=watch, daemon=True, kwargs={"stop": stop.is_set}, args=(
+        Client(ConsulConfig.from_env({}, address=agent.http_addr)), "consulrun/b", "consulrun-b.service",
+        starter(agent))) for agent in (node1, node3)]
+    for thread in watchers:
+        thread.start()
+    try:
+        code, _, err = finish(consulrun("run", "--schedule", YEARLY, "--then", "b:success", "a", "--", "true",
+                                        env=env, netns=node2.netns), timeout=120)
+        node2.kill()  # right after A's result is recorded: nothing more comes from node2
+        assert code == 0, err
+        from datetime import datetime, timezone
+
+        occ = f"{datetime.now(timezone.utc).year}-01-01T00:00:00Z"
+        wait_for(lambda: (kv_json(node1, f"consulrun/b/history/{occ}~after~a") or {})
+                 .get("state") == "done", 90, "B's run after A")
+        wait_for(lambda: in_flight[0] == 0 and kv_json(node1, f"consulrun/b/after/a/{occ}") is None, 60,
+                 "the watchers' starts to end")
+        lines = ran.read_text().splitlines()
+        assert len(lines) == 1 and lines[0].split()[0] == occ and lines[0].split()[1] in ("node1", "node3"), lines
+        entry = kv_json(node1, f"consulrun/b/history/{occ}~after~a")
+        assert entry["after"]["node"] == "node2" and entry["node"] == lines[0].split()[1], entry
+    finally:
+        stop.set()
+        for agent in (node1, node3):
+            try:
+                agent.api("PUT", "kv/consulrun/b/after/wake", data=b"x")  # ends the blocking reads
+            except Exception:  # noqa: BLE001 - a teardown nicety
+                pass
+        for thread in watchers:
+            thread.join(timeout=30)
