@@ -184,6 +184,20 @@ def test_a_chained_run_past_the_child_s_start_deadline_is_recorded_missed_and_a_
 
 
 @pytest.mark.consul
+def test_chained_runs_keep_the_history_to_its_size(consul: Agent, tmp_path: Path) -> None:
+    import json
+
+    for occ in ("2026-01-01T00:00:00Z", "2026-01-02T00:00:00Z", "2026-01-03T00:00:00Z"):
+        _put(consul, f"consulrun/child/after/parent/{occ}", json.dumps(
+            {"parent": "parent", "occurrence": occ, "state": "done", "exit_status": 0, "node": "x", "ended": occ}))
+        code, _, err = _child(tmp_path, "child", "--history", "2")
+        assert code == 0, err
+    keys = consul.get("kv/consulrun/child/history/", params={"keys": ""})
+    assert keys == ["consulrun/child/history/2026-01-02T00:00:00Z~after~parent",
+                    "consulrun/child/history/2026-01-03T00:00:00Z~after~parent"], keys
+
+
+@pytest.mark.consul
 def test_the_watcher_starts_the_unit_for_a_request_and_writes_nothing_while_idle(consul: Agent,
                                                                                  tmp_path: Path) -> None:
     from consulrun.consul.client import Client, ConsulConfig
@@ -281,3 +295,55 @@ def test_the_parent_s_node_dies_right_after_finishing_and_the_child_runs_once_el
                 pass
         for thread in watchers:
             thread.join(timeout=30)
+
+
+@pytest.mark.systemd
+def test_real_timers_run_the_parent_and_the_watcher_unit_runs_the_child_once_for_each(systemd_container,  # noqa: ANN001
+                                                                                      consul_bin: str,
+                                                                                      tmp_path: Path) -> None:
+    """A booted systemd: `feed` on a 3 s timer, `report` with only `after: [feed]` (no timer; its
+    consulrun-after@report.service installed, enabled and started). Every feed occurrence that ended is
+    followed by one report run for it, through report's own unit, and by no other."""
+    import base64
+    import json
+
+    from tests.test_faults import stop_agent_in
+    from tests.test_install import CONSULRUN, manifest, start_agent
+
+    ctr = systemd_container
+    agent = start_agent(ctr, consul_bin, "chainnode", ["-dev", "-client", "127.0.0.1", "-bind", "127.0.0.1"],
+                        tmp_path / "consul.log")
+    log = ctr.shared / "chain-log"
+    try:
+        jobs = {"feed": {"command": ["sh", "-c", "echo feed $CONSULRUN_OCCURRENCE >> /shared/chain-log"],
+                         "schedule": "*:*:0/3"},
+                "report": {"command": ["sh", "-c", "echo report $CONSULRUN_PARENT_JOB $CONSULRUN_PARENT_OCCURRENCE "
+                                                   "$INVOCATION_ID >> /shared/chain-log"], "after": ["feed"]}}
+        (ctr.shared / "chain.yaml").write_text(manifest(jobs))
+        ctr.exec(CONSULRUN, "install", "/shared/chain.yaml")
+        assert ctr.systemctl("is-active", "consulrun-after@report.service", check=False).stdout.strip() == "active"
+        assert ctr.systemctl("cat", "consulrun-report.timer", check=False).returncode != 0  # no timer for it
+        wait_for(lambda: log.exists() and log.read_text().count("report feed") >= 2, 60, "two chained runs")
+        ctr.systemctl("stop", "consulrun-feed.timer")
+        wait_for(lambda: ctr.systemctl("is-active", "consulrun-feed.service", check=False).stdout.strip()
+                 != "active", 30, "the last feed run to end")
+
+        def settled() -> bool:
+            pending = ctr.exec(consul_bin, "kv", "get", "-recurse", "consulrun/report/after/", check=False).stdout
+            return not pending.strip() and ctr.systemctl("is-active", "consulrun-report.service",
+                                                         check=False).stdout.strip() != "active"
+
+        wait_for(settled, 60, "every request to be consumed")
+        lines = [line.split() for line in log.read_text().splitlines()]
+        fed = [line[1] for line in lines if line[0] == "feed"]
+        reported = [line[2] for line in lines if line[0] == "report"]
+        assert sorted(reported) == sorted(fed) and len(set(reported)) == len(reported), lines
+        assert all(len(line) == 4 for line in lines if line[0] == "report"), lines  # run by systemd: INVOCATION_ID
+        exported = json.loads(ctr.exec(consul_bin, "kv", "export", "consulrun/report/history/").stdout)
+        entries = [json.loads(base64.b64decode(e["value"])) for e in exported]
+        assert sorted(e["after"]["occurrence"] for e in entries) == sorted(fed), entries
+        assert all(e["state"] == "done" and e["after"]["job"] == "feed" for e in entries), entries
+    finally:
+        ctr.systemctl("stop", "consulrun-feed.timer", "consulrun-after@report.service", "consulrun-feed.service",
+                      "consulrun-report.service", check=False)
+        stop_agent_in(ctr, consul_bin, agent)

@@ -181,7 +181,8 @@ class Ledger:
         final = {**claim, **outcome, "state": state, **({} if outcome.get("ended") else {"ended": now_iso()})}
         if not claim.get("after"):  # a manual run starts no chained run: it is no occurrence
             return [kv_op("set", self.manual_key(claim), {**claim, **outcome, "state": state})]
-        return [kv_op("set", self.manual_key(claim), final), *self.then_ops(final), *self.health_ops(final)]
+        return [kv_op("set", self.manual_key(claim), final), *self.then_ops(final),
+                *self.prune_ops(self._history_entries(), keep=self.manual_key(claim)), *self.health_ops(final)]
 
     def verdict(self, snap: Snapshot, occ: Occurrence) -> str:
         """'free' (nobody has it), 'done', 'running', 'dead' (running, but its runner lost the lock),
@@ -253,11 +254,15 @@ class Ledger:
         done = {**claim, **outcome, "state": "done"}
         ops = [kv_op("cas", self.record_key, done, Index=claim_index), kv_op("set", self.history_prefix + claim["occurrence"], done),
                *self.then_ops(done)]
+        return ops + self.prune_ops(self._history_entries(), keep=self.history_prefix + claim["occurrence"]) + \
+            self.health_ops(done)
+
+    def _history_entries(self) -> list[dict[str, Any]]:
         try:
             _, entries = self.client.kv_get(self.history_prefix, recurse=True)
         except ConsulrunError:  # pruning can wait for the next run; recording the result cannot
             entries = []
-        return ops + self.prune_ops(entries or [], keep=self.history_prefix + claim["occurrence"]) + self.health_ops(done)
+        return entries or []
 
     def health_ops(self, record: dict[str, Any]) -> list[dict[str, Any]]:
         """The job's health check set from `record`, last in the transaction (dropped if Consul refuses it)."""
