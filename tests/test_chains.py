@@ -139,6 +139,9 @@ def test_a_parent_s_end_is_a_request_written_with_its_result_and_the_child_runs_
 
     code, out, err = finish(consulrun("history", "--prefix", "consulrun", "child"))
     assert code == 0 and f"after parent {occ} (exit 0)" in out, (out, err)
+    code, out, err = finish(consulrun("status", "--prefix", "consulrun", "child"))
+    row = next((line for line in out.splitlines() if line.startswith("child ")), "")
+    assert f"{occ}~after~parent" in row and "exit 0 in" in row and "on dev1" in row, (out, err)
 
 
 @pytest.mark.consul

@@ -176,7 +176,9 @@ class _Job:
         self.horizon = 2 * meta["ttl_s"] + meta["lock_delay_s"]  # how long a fault can still act after it started
         self.runs = sorted(runs, key=lambda r: r.start)
         self.fires = [e for e in timer_events if e.get("job") == self.name]
-        self.occurrences = sorted({e["sched"] for e in self.fires if e["ev"] in ("fire", "busy")})
+        # A chained job's fires (its emulated chain-watch) are for no scheduled time: chains.py judges its runs.
+        self.occurrences = sorted({e["sched"] for e in self.fires if e["ev"] in ("fire", "busy")}) \
+            if spec.get("schedule") else []
         self.by_occ: dict[str, list[Run]] = defaultdict(list)
         for run in self.runs:
             self.by_occ[run.occ].append(run)

@@ -160,9 +160,10 @@ class Ledger:
         return f"{self.history_prefix}{claim['started']}~manual"
 
     def then_ops(self, final: dict[str, Any]) -> list[dict[str, Any]]:
-        """The chained jobs' requests `final` makes, if it is final: a lost or abandoned attempt another node
-        may take over (`retry`) is not."""
-        if not self.thens or (final.get("state") in FAILED_STATES and self.policy == "retry"):
+        """The chained jobs' requests `final` makes, if it is final: a lost or abandoned attempt of an occurrence
+        another node may take over (`retry`) is not; a chained run is never taken over."""
+        if not self.thens or (final.get("state") in FAILED_STATES and self.policy == "retry"
+                              and not final.get("after")):
             return []
         from consulrun.protocol.chain import then_ops  # only a job with chained jobs needs it
 
