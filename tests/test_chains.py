@@ -36,7 +36,8 @@ JOBS = "jobs:\n  a:\n    command: /bin/true\n    schedule: daily\n"
     ("[aa]", "m.yaml:7:13: jobs.b.after[0]", "unknown job 'aa' (did you mean 'a'?)"),
     ("[b]", "m.yaml:7:13: jobs.b.after[0]", "job 'b' cannot run after itself"),
     ("[a, {job: a, on: failure}]", "m.yaml:7:22: jobs.b.after[1].job", "names job 'a' twice"),
-    ("[{job: a, on: never}]", "m.yaml:7:13: jobs.b.after[0]", "{'job': 'a', 'on': 'never'} must be a job name or a mapping"),
+    ("[{job: a, on: never}]", "m.yaml:7:13: jobs.b.after[0]",
+     "{'job': 'a', 'on': 'never'} must be a job name or a mapping"),
 ])
 def test_after_refuses_unknown_self_and_twice_with_file_line_and_field(after: str, where: str, said: str) -> None:
     text = JOBS + f"  b:\n    command: /bin/true\n    after: {after}\n"
@@ -49,7 +50,8 @@ def test_a_cycle_is_refused_at_the_entry_that_closes_it_with_the_loop_spelled_ou
                    "  c:\n    command: /bin/true\n    after:\n      - job: d\n        on: always\n"
                    "  d:\n    command: /bin/true\n    after: [b, a]\n")
     message = _messages(text)
-    assert "m.yaml:15:13: jobs.d.after[0]: a cycle: 'b' runs after 'c' runs after 'd' runs after 'b'" in message, message
+    loop = "m.yaml:15:13: jobs.d.after[0]: a cycle: 'b' runs after 'c' runs after 'd' runs after 'b'"
+    assert loop in message, message
     assert message.count("a cycle") == 1, message
 
 
@@ -61,7 +63,8 @@ def test_a_job_needs_a_schedule_or_after_and_a_chain_needs_one_holder() -> None:
 
 def test_after_takes_names_and_mappings_and_on_is_a_word_not_yaml_s_boolean() -> None:
     text = JOBS + ("  b:\n    command: /bin/true\n    after: [a]\n"
-                   "  c:\n    command: /bin/true\n    schedule: weekly\n    after:\n      - job: b\n        on: failure\n"
+                   "  c:\n    command: /bin/true\n    schedule: weekly\n"
+                   "    after:\n      - job: b\n        on: failure\n"
                    "      - {job: a, on: always}\n")
     manifest = parse_manifest(text, "m.yaml")
     jobs = {job.name: job for job in manifest.jobs}
@@ -142,6 +145,11 @@ def test_a_parent_s_end_is_a_request_written_with_its_result_and_the_child_runs_
     code, out, err = finish(consulrun("status", "--prefix", "consulrun", "child"))
     row = next((line for line in out.splitlines() if line.startswith("child ")), "")
     assert f"{occ}~after~parent" in row and "exit 0 in" in row and "on dev1" in row, (out, err)
+    (tmp_path / "m.yaml").write_text(JOBS.replace("a:", "parent:") + "  child:\n    command: /bin/true\n"
+                                     "    after: [parent]\n")
+    code, out, err = finish(consulrun("status", str(tmp_path / "m.yaml")))  # the manifest's child has no schedule
+    row = next((line for line in out.splitlines() if line.startswith("child ")), "")
+    assert f"{occ}~after~parent" in row and row.rstrip().endswith("-"), (out, err)  # no NEXT: nothing it is due by
 
 
 @pytest.mark.consul

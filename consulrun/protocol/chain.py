@@ -73,14 +73,16 @@ def run_id(claim: dict[str, Any]) -> str:
     return str(claim.get("run") or claim["occurrence"])
 
 
-def then_ops(prefix: str, parent: str, final: dict[str, Any], thens: tuple[tuple[str, str], ...]) -> list[dict[str, Any]]:
+def then_ops(prefix: str, parent: str, final: dict[str, Any],
+             thens: tuple[tuple[str, str], ...]) -> list[dict[str, Any]]:
     """The requests a parent run's final record makes, one per child whose `on` it matches: `set`, so a finish
     retried after a lost answer writes the same again; the child's history entry keeps it to one run."""
     if not thens:
         return []
     rid = run_id(final)
     request = {"parent": parent, "occurrence": rid, "state": final.get("state"),
-               "exit_status": final.get("exit_status"), "node": final.get("node"), "ended": final.get("ended") or now_iso()}
+               "exit_status": final.get("exit_status"), "node": final.get("node"),
+               "ended": final.get("ended") or now_iso()}
     return [kv_op("set", f"{prefix}/{child}/{REQUESTS}/{parent}/{rid}", request)
             for child, on in thens if ends_as(on, final)]
 

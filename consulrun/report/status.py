@@ -201,6 +201,8 @@ class Expectations:
 
     @classmethod
     def of(cls, job: Job | None, record: dict[str, Any] | None, grace_s: float) -> "Expectations | None":
+        if job is not None and not job.schedules:  # it only runs after other jobs: no time it is due by
+            return None
         if job is not None:
             lag = (job.timer.accuracy_ms + job.timer.randomized_delay_ms) / 1000 + TURN_MAX_S + grace_s
             return cls(job.schedules, lag, job.timeout_ms / 1000 if job.timeout_ms else None)
