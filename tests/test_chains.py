@@ -195,6 +195,26 @@ def test_a_chained_run_past_the_child_s_start_deadline_is_recorded_missed_and_a_
 
 
 @pytest.mark.consul
+def test_a_chained_run_keeps_to_the_child_s_placement(consul: Agent, tmp_path: Path) -> None:
+    """On a node the child may not run on, neither its run nor its watcher takes the request."""
+    from datetime import datetime, timezone
+
+    from consulrun.consul.client import Client, ConsulConfig
+    from consulrun.manifest.placement import Placement
+    from consulrun.protocol.chainwatch import _may_run_here
+
+    occ = f"{datetime.now(timezone.utc).year}-01-01T00:00:00Z"
+    assert _parent(tmp_path)[0] == 0
+    code, _, err = _child(tmp_path, "child", "--node-name", "elsewhere")
+    assert code == 0 and "is not one the job runs on" in err, err
+    assert kv_json(consul, f"consulrun/child/after/parent/{occ}") is not None and not (tmp_path / "child").exists()
+    client = Client(ConsulConfig.from_env({}, address=consul.http_addr))
+    assert not _may_run_here(client, Placement(names=("elsewhere",)))
+    assert _may_run_here(client, Placement(names=("dev*",)))
+    assert _child(tmp_path, "child", "--node-name", "dev*")[0] == 0 and (tmp_path / "child").exists()
+
+
+@pytest.mark.consul
 def test_chained_runs_keep_the_history_to_its_size(consul: Agent, tmp_path: Path) -> None:
     import json
 
