@@ -261,6 +261,46 @@ def test_the_watcher_starts_the_unit_for_a_request_and_writes_nothing_while_idle
         thread.join(timeout=30)
 
 
+@pytest.mark.consul
+def test_a_request_left_while_no_node_watched_runs_when_a_watcher_comes_back(consul: Agent, tmp_path: Path) -> None:
+    """Every node with the child was down when the parent ended: the request waits; the first watcher that
+    starts runs it. A request from a job the child no longer runs after is removed, not run."""
+    import json
+
+    from consulrun.consul.client import Client, ConsulConfig
+    from consulrun.protocol.chainwatch import watch
+
+    assert _parent(tmp_path)[0] == 0  # nobody watches
+    _put(consul, "consulrun/child/after/gone/2026-01-01T00:00:00Z", json.dumps(
+        {"parent": "gone", "occurrence": "2026-01-01T00:00:00Z", "state": "done", "exit_status": 0, "node": "x",
+         "ended": "2026-01-01T00:00:01Z"}))
+
+    def start_unit(unit: str) -> subprocess.CompletedProcess[str]:
+        code, out, err = _child(tmp_path)
+        return subprocess.CompletedProcess([unit], code, out, err)
+
+    stop = threading.Event()
+    thread = threading.Thread(target=watch, daemon=True, kwargs={"stop": stop.is_set},
+                              args=(Client(ConsulConfig.from_env({}, address=consul.http_addr)), "consulrun/child",
+                                    "consulrun-child.service", start_unit))
+    thread.start()
+    try:
+        wait_for(lambda: (tmp_path / "child").exists() and requests_pending(consul) == 0, 60,
+                 "the waiting request to run and the unwanted one to go")
+        assert (tmp_path / "child").read_text().count("\n") == 1
+    finally:
+        stop.set()
+        _put(consul, "consulrun/child/after/wake", "x")
+        thread.join(timeout=30)
+
+
+def requests_pending(consul: Agent) -> int:
+    import requests
+
+    response = requests.get(f"{consul.url}/v1/kv/consulrun/child/after/?keys", timeout=10)
+    return 0 if response.status_code == 404 else len(response.json())
+
+
 def requests_index(consul: Agent) -> int:
     """Raft's applied index as the dev agent reports it: it grows with every write."""
     return int(consul.get("agent/self")["Stats"]["raft"]["applied_index"])

@@ -73,6 +73,8 @@ def watch(client: Client, base: str, unit: str, start_unit: Callable[[str], subp
     while not stop():
         try:
             index, pending = _pending(client, base, index, WAIT_S if index else None)
+            if stop():
+                break
             if not pending:
                 tries = 0
                 continue
