@@ -153,6 +153,33 @@ def test_a_parent_s_end_is_a_request_written_with_its_result_and_the_child_runs_
 
 
 @pytest.mark.consul
+def test_a_child_s_skips_make_no_raft_writes(consul: Agent, tmp_path: Path) -> None:
+    """Started with nothing pending, or with the job running: reads only, no session, no write (the least of
+    three tries: the agent's own writes may land in one window, not in all)."""
+
+    def skip_writes(said: str) -> int:
+        deltas = []
+        for _ in range(3):
+            before = requests_index(consul)
+            code, _, err = _child(tmp_path)
+            assert code == 0 and said in err, err
+            deltas.append(requests_index(consul) - before)
+        return min(deltas)
+
+    assert skip_writes("no run after parent is pending") == 0
+    assert _parent(tmp_path)[0] == 0
+    started, go = tmp_path / "started", tmp_path / "go"
+    holder = consulrun("run", "--schedule", YEARLY, "child", "--", "sh", "-c",
+                       f"touch {started}; while [ ! -e {go} ]; do sleep 0.1; done")
+    try:
+        wait_for(started.exists, 20, "the child's own occurrence to run")
+        assert skip_writes("is pending, but the job is running") == 0
+    finally:
+        go.touch()
+        finish(holder)
+
+
+@pytest.mark.consul
 def test_on_failure_follows_a_failed_final_attempt_and_not_the_retried_ones(consul: Agent, tmp_path: Path) -> None:
     from datetime import datetime, timezone
 
