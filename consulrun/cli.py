@@ -15,6 +15,7 @@ import click
 from consulrun import __version__
 from consulrun.commands import (
     acl_policy,
+    chain_watch,
     exporter,
     forget,
     generate,
@@ -97,5 +98,5 @@ def main() -> None:
 for _command in (generate.generate, run.run, reap.reap, install.install, status.status, unlock.unlock,
                  import_crontab.import_crontab, watchdog.watchdog, acl_policy.acl_policy, history.history, logs.logs,
                  pause.pause, resume.resume, trigger.trigger, on_failure.on_failure, exporter.exporter,
-                 validate.validate, uninstall.uninstall, forget.forget):
+                 validate.validate, uninstall.uninstall, forget.forget, chain_watch.chain_watch):
     main.add_command(_command)

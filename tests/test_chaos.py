@@ -148,6 +148,42 @@ def test_checker_allows_a_holders_retries_up_to_its_attempts_and_no_more(tmp_pat
         ("more attempts than allowed", 3, 2)]
 
 
+def test_checker_finds_a_chained_run_without_its_parent_s_end_and_one_run_twice(tmp_path: Path) -> None:
+    """A job chained after `s` (on: success) runs once per ended run of `s`: one that started before its
+    parent's end (or for a parent run that died) is a violation, and so is a second holder for one parent run."""
+    out = tmp_path / "chain"
+    parent = _run("s", "c1", 100, OCC[0], 10, T0 + 0.5, 5)  # ends at T0 + 1.01
+    died = _run("s", "c2", 300, OCC[1], 14, T0 + 5.5, 5, ended=False)
+    child = f"{OCC[0]}~after~s"
+    good = _run("k", "c3", 200, child, 20, T0 + 1.5, 3)
+    history = sorted([*_fires("s", 0), *_fires("s", 1), *parent, *died, *good], key=lambda line: line["t"])
+    _write(out, history, [])
+    meta = json.loads((out / "run.json").read_text())
+    meta["jobs"].append({"name": "k", "policy": "skip", "schedule": "", "seconds": 0.3, "interval_s": 5,
+                         "condition_holds": False, "after": [{"job": "s", "on": "success"}]})
+    (out / "run.json").write_text(json.dumps(meta))
+
+    def judged(*extra: list[dict]) -> dict:
+        lines = sorted([*history, *(line for runs in extra for line in runs)], key=lambda line: line["t"])
+        (out / "history.log").write_text("".join(json.dumps(line) + "\n" for line in lines))
+        return check(out)
+
+    report = judged()
+    assert report["violations"] == [] and report["jobs"]["k"]["chained_runs"] == 1
+    early = _run("k", "c2", 210, f"{OCC[1]}~after~s", 21, T0 + 7.0, 3)  # its parent run died: no success
+    report = judged(early)
+    assert [v["kind"] for v in report["violations"]] == ["chained run without its parent's end"]
+    assert report["violations"][0]["parent_occurrence"] == OCC[1]
+    twice = _run("k", "c1", 220, child, 22, T0 + 2.5, 3)  # a second holder for the same parent run
+    report = judged(twice)
+    # (under skip the occurrence rule sees the same two holders: both say so)
+    assert sorted(v["kind"] for v in report["violations"]) == ["chained run twice for one parent run",
+                                                                "duplicate under skip"]
+    before_end = _run("k", "c1", 230, child, 20, T0 + 0.9, 1)  # (same holder) started before the parent ended
+    report = judged(before_end)
+    assert "chained run without its parent's end" in [v["kind"] for v in report["violations"]]
+
+
 def _our_namespaces(tag: str) -> list[str]:
     listing = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True).stdout
     return [line.split()[0] for line in listing.splitlines() if line.split() and line.split()[0].endswith("-" + tag)]

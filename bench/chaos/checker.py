@@ -6,7 +6,8 @@ never ended, [start, last heartbeat]. Per job it reports overlapping runs
 rejected the stale holder's writes), occurrences run twice under `skip`,
 occurrences never completed under `retry` although a client node was free of
 faults, one holder running an occurrence more often than its `retries.attempts`
-allow (1 without retries), wrapper exit statuses, fencing latency (fault start -> the holder's
+allow (1 without retries), a chained job's run without its parent's end or twice for one parent run
+(chains.py), wrapper exit statuses, fencing latency (fault start -> the holder's
 job dead) and takeover latency (holder's job dead -> a standby's job start) as
 percentiles, and Raft writes per occurrence. Heartbeats come every 100 ms, so
 "dead" times are late by at most 0.1 s.
@@ -25,6 +26,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from bench.chaos import chains
 from bench.chaos.logs import read
 from bench.chaos.report import markdown
 
@@ -145,8 +147,9 @@ def check(out: Path) -> dict[str, Any]:
                               "faults": dict(Counter(f.kind for f in faults)), "jobs": {}, "violations": []}
     for spec in meta["jobs"]:
         job = _Job(spec, runs_by_job.get(spec["name"], []), timer_events, faults, meta)
-        report["jobs"][spec["name"]] = job.entry
-        report["violations"] += job.violations
+        chained, chain_violations = chains.judge(spec, runs_by_job)
+        report["jobs"][spec["name"]] = {**job.entry, **chained}
+        report["violations"] += job.violations + chain_violations
     fired = sum(e["occurrences"] for e in report["jobs"].values())
     before, after = meta.get("applied_before"), meta.get("applied_after")
     report["raft_writes"] = (after - before) if before is not None and after is not None else None
@@ -173,7 +176,9 @@ class _Job:
         self.horizon = 2 * meta["ttl_s"] + meta["lock_delay_s"]  # how long a fault can still act after it started
         self.runs = sorted(runs, key=lambda r: r.start)
         self.fires = [e for e in timer_events if e.get("job") == self.name]
-        self.occurrences = sorted({e["sched"] for e in self.fires if e["ev"] in ("fire", "busy")})
+        # A chained job's fires (its emulated chain-watch) are for no scheduled time: chains.py judges its runs.
+        self.occurrences = sorted({e["sched"] for e in self.fires if e["ev"] in ("fire", "busy")}) \
+            if spec.get("schedule") else []
         self.by_occ: dict[str, list[Run]] = defaultdict(list)
         for run in self.runs:
             self.by_occ[run.occ].append(run)

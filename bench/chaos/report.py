@@ -32,6 +32,12 @@ def markdown(report: dict[str, Any]) -> str:
                    f"| {e['started_more_than_once']} | {e['completed_more_than_once']} | {lost} | {e['never_started']} "
                    f"| {statuses} |")
     out += ["", *totals(report)]
+    chained = {job: e for job, e in report["jobs"].items() if e.get("after")}
+    if chained:
+        out += ["", "| chained job | after | chained runs | without the parent's end | twice for one parent run |",
+                "|---|---|---|---|---|"]
+        out += [f"| {job} | {', '.join(f'{p} ({on})' for p, on in e['after'].items())} | {e['chained_runs']} "
+                f"| {len(e['chained_without_parent_end'])} | {len(e['chained_twice'])} |" for job, e in chained.items()]
     out += ["", "| job | latency (s) | n | p50 | p90 | p99 | max |", "|---|---|---|---|---|---|---|"]
     for job, e in report["jobs"].items():
         rows = [(f"fencing: {k}", v) for k, v in e["fencing_latency_s"].items()]

@@ -35,10 +35,12 @@ SUBNET = "10.213.79.0/24"  # moved by CONSULRUN_TEST_NET_PREFIX like the test ha
 def parse_job(text: str) -> JobSpec:
     try:
         name, policy, seconds, schedule = text.split(":", 3)
-        job = JobSpec(name, policy, schedule, float(seconds))
+        after = schedule[len("after="):] if schedule.startswith("after=") else ""
+        job = JobSpec(name, policy, "" if after else schedule, float(seconds), after=after)
         job.interval_s()
     except (ValueError, TypeError) as exc:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected NAME:skip|retry:SECONDS:ONCALENDAR ({exc})") from None
+        raise argparse.ArgumentTypeError(f"{text!r}: expected NAME:skip|retry:SECONDS:ONCALENDAR, or "
+                                         f"NAME:skip|retry:SECONDS:after=PARENT ({exc})") from None
     if policy not in ("skip", "retry"):
         raise argparse.ArgumentTypeError(f"{text!r}: policy must be skip or retry")
     return job
@@ -50,7 +52,7 @@ def condition_holds(job: JobSpec, lock: LockSettings) -> bool:
     wrapper's session lives that long), then lock-delay, then the standby runs the job: all before the next
     occurrence, when standbys give up."""
     worst = lock.max_delay_s + job.seconds + 2 * lock.ttl_s + lock.lock_delay_s + job.seconds
-    return job.policy == "retry" and job.interval_s() > worst
+    return job.policy == "retry" and not job.after and job.interval_s() > worst
 
 
 def arguments(argv: list[str] | None) -> argparse.Namespace:
@@ -59,13 +61,18 @@ def arguments(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--out", required=True, type=Path, help="directory for the history, logs and report")
     parser.add_argument("--seed", type=int, default=1, help="seed of the timers' delays and of the nemesis")
     parser.add_argument("--job", action="append", type=parse_job, metavar="NAME:POLICY:SECONDS:SPEC",
-                        help=f"a job (repeatable); default: {' '.join(DEFAULT_JOBS)}")
+                        help=f"a job (repeatable); default: {' '.join(DEFAULT_JOBS)}; SPEC after=PARENT: a job "
+                             "chained after PARENT (on: success), started by an emulated chain-watch on each node")
     parser.add_argument("--ttl", type=int, default=10, help="session TTL in seconds (minimum 10)")
     parser.add_argument("--lock-delay", type=int, default=5, help="lock-delay in seconds (minimum 5)")
     parser.add_argument("--faults", default=",".join(KINDS),
                         help="fault kinds the nemesis may inject, comma-separated; 'none' for a fault-free run")
     args = parser.parse_args(argv)
     args.job = args.job or [parse_job(j) for j in DEFAULT_JOBS]
+    names = {j.name for j in args.job}
+    for job in args.job:
+        if job.after and (job.after not in names or job.after == job.name):
+            parser.error(f"--job {job.name}: after={job.after} names no other --job")
     try:
         args.duration_s = parse_duration(args.duration) / 1000
     except ValueError as exc:
@@ -117,7 +124,8 @@ def main(argv: list[str] | None = None) -> int:
             "duration_s": args.duration_s, "seed": args.seed, "ttl_s": lock.ttl_s, "lock_delay_s": lock.lock_delay_s,
             "max_delay_s": lock.max_delay_s, "faults": list(args.kinds),
             "jobs": [{"name": j.name, "policy": j.policy, "schedule": j.schedule, "seconds": j.seconds,
-                      "interval_s": j.interval_s(), "condition_holds": condition_holds(j, lock)} for j in args.job]}
+                      "interval_s": j.interval_s(), "condition_holds": condition_holds(j, lock),
+                      **({"after": [{"job": j.after, "on": "success"}]} if j.after else {})} for j in args.job]}
     interrupted = False
     try:
         _say(f"network {network.net} ({len(network.names)} namespaces), agents in {out / 'agents'}")
@@ -135,7 +143,8 @@ def main(argv: list[str] | None = None) -> int:
         nemesis = Nemesis(cluster, fleet, nemesis_log, args.seed, stop_at=fire_until - 5, kinds=args.kinds)
         if args.kinds:
             nemesis.start()
-        _say(f"timers fire for {args.duration_s:.0f}s; jobs: " + ", ".join(f"{j.name} ({j.policy}, {j.schedule})"
+        _say(f"timers fire for {args.duration_s:.0f}s; jobs: " + ", ".join(f"{j.name} ({j.policy}, "
+                                                                          f"{j.schedule or 'after ' + j.after})"
                                                                           for j in args.job))
         last_note = time.time()
         while time.time() < fire_until:

@@ -34,10 +34,13 @@ FAKETIME_LIB = "/usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1"
 class JobSpec:
     name: str
     policy: str  # skip | retry
-    schedule: str  # OnCalendar= spec
+    schedule: str  # OnCalendar= spec ("" for a job that only runs after another)
     seconds: float  # how long the job runs
+    after: str = ""  # the job this one runs after (on: success), started by an emulated chain-watch
 
     def interval_s(self) -> float:
+        if not self.schedule:
+            return 0.0
         first = calendar.following([self.schedule], datetime(2030, 1, 1, tzinfo=timezone.utc))
         second = calendar.following([self.schedule], first)
         return (second - first).total_seconds()
@@ -151,7 +154,8 @@ class Fleet:
         self.fire_until = fire_until
         for agent in self.clients:
             for job in self.jobs:
-                self.threads.append(threading.Thread(target=self._timer, args=(agent, job, self.rng.random()),
+                target, extra = (self._watcher, ()) if job.after else (self._timer, (self.rng.random(),))
+                self.threads.append(threading.Thread(target=target, args=(agent, job, *extra),
                                                      name=f"timer-{agent.name}-{job.name}", daemon=True))
         self.threads.append(threading.Thread(target=self._reaper, name="reaper", daemon=True))
         for thread in self.threads:
@@ -172,9 +176,32 @@ class Fleet:
             self._fire(agent, job, calendar.occurrence_id(when), delay)
             when = calendar.following([job.schedule], when)
 
+    def _watcher(self, agent: Agent, job: JobSpec) -> None:
+        """What `consulrun chain-watch` does on the node (chainwatch.py), its `systemctl start` a fire of the
+        job's wrapper, waited for; it goes on through the drain, so the last parents' children run too."""
+        from consulrun.consul.client import Client, ConsulConfig
+        from consulrun.errors import ConsulrunError
+        from consulrun.protocol.chainwatch import watch
+
+        def start_unit(unit: str) -> subprocess.CompletedProcess[str]:
+            self._fire(agent, job, "after", 0.0)
+            with self.guard:
+                wrapper = self.running.get((agent.name, job.name))
+            code = wrapper.process.wait() if wrapper else 0
+            return subprocess.CompletedProcess([unit], code, "", "")
+
+        while not self.stop_event.is_set():
+            try:
+                watch(Client(ConsulConfig.from_env({}, address=agent.http_addr)), f"{self.lock.prefix}/{job.name}",
+                      f"consulrun-{job.name}.service", start_unit, stop=self.stop_event.is_set)
+            except (ConsulrunError, OSError):  # as systemd's Restart= would: watch again
+                self.stop_event.wait(1.0)
+
     def _command(self, agent: Agent, job: JobSpec) -> list[str]:
+        when = ["--after", job.after] if job.after else ["--schedule", job.schedule]
+        then = [arg for child in self.jobs if child.after == job.name for arg in ("--then", f"{child.name}:success")]
         return ["ip", "netns", "exec", str(agent.netns), sys.executable, "-m", "consulrun", "run",
-                "--prefix", self.lock.prefix, "--schedule", job.schedule, "--on-holder-loss", job.policy,
+                "--prefix", self.lock.prefix, *when, *then, "--on-holder-loss", job.policy,
                 "--ttl", f"{self.lock.ttl_s}s", "--lock-delay", f"{self.lock.lock_delay_s}s", job.name, "--",
                 "/usr/bin/env", "-u", "LD_PRELOAD", "-u", "FAKETIME",
                 sys.executable, "-S", str(JOB_SCRIPT), str(self.history.path), job.name, agent.name, str(job.seconds)]

@@ -66,6 +66,13 @@ class _RunCommand(click.Command):
 @click.option("--start-deadline", type=Duration((1, DURATION_MAX_MS)), metavar="DURATION",
               help="With --schedule: an occurrence not started this long after its scheduled time (a catch-up after "
                    "a long outage) is recorded missed, not run.")
+@click.option("--after", "after", multiple=True, metavar="JOB",
+              help="This job runs once after each run of JOB that asks for it (repeatable; docs/chains.md): started "
+                   "by its chain-watch unit rather than its timer, it runs the oldest pending such run instead of an "
+                   "occurrence, or skips if none is pending.")
+@click.option("--then", "then", multiple=True, metavar="JOB:ON",
+              help="When this job's occurrence ends as ON says (success, failure or always), ask for one run of JOB "
+                   "after it, in the transaction that records the result (repeatable).")
 @click.option("--pass-consul-token", is_flag=True,
               help="Leave CONSUL_HTTP_TOKEN, CONSUL_HTTP_TOKEN_FILE and CONSUL_HTTP_AUTH in the job's environment "
                    "(by default the job gets none of them).")
@@ -82,7 +89,7 @@ def run(job: str, command: tuple[str, ...], prefix: str, ttl: int, lock_delay: i
         history: int, ping_url: str | None, health_check: bool, pass_consul_token: bool, timeout: int | None,
         skip_when_stopped: bool, node_meta: tuple[str, ...], node_names: tuple[str, ...], attempts: int,
         retry_backoff: int, retry_max_backoff: int, start_deadline: int | None, ping_output_lines: int | None,
-        **consul: str | None) -> None:
+        after: tuple[str, ...], then: tuple[str, ...], **consul: str | None) -> None:
     """Run COMMAND for JOB on this node only if this node gets JOB's Consul lock.
 
     \b
@@ -94,7 +101,9 @@ def run(job: str, command: tuple[str, ...], prefix: str, ttl: int, lock_delay: i
     The job gets CONSULRUN_JOB, CONSULRUN_SESSION, CONSULRUN_LOCK_KEY and
     CONSULRUN_FENCING_TOKEN (the lock key's ModifyIndex: larger for every later
     holder, so the job can refuse a stale holder's write) and CONSULRUN_ATTEMPT
-    (1, then 2, 3, ... for each retry of --attempts) in its environment,
+    (1, then 2, 3, ... for each retry of --attempts) in its environment (a run
+    after another job also CONSULRUN_PARENT_JOB, CONSULRUN_PARENT_OCCURRENCE,
+    CONSULRUN_PARENT_STATE and CONSULRUN_PARENT_EXIT_STATUS),
     and not the wrapper's Consul credentials, CONSUL_HTTP_TOKEN, CONSUL_HTTP_TOKEN_FILE
     and CONSUL_HTTP_AUTH (unless --pass-consul-token). Its own exit status is
     passed through. If the lock cannot be confirmed,
@@ -106,4 +115,4 @@ def run(job: str, command: tuple[str, ...], prefix: str, ttl: int, lock_delay: i
           history=history, ping_url=ping_url, health_check=health_check, pass_consul_token=pass_consul_token,
           timeout=timeout, skip_when_stopped=skip_when_stopped, node_meta=node_meta, node_names=node_names,
           attempts=attempts, retry_backoff=retry_backoff, retry_max_backoff=retry_max_backoff,
-          start_deadline=start_deadline, ping_output_lines=ping_output_lines, **consul)
+          start_deadline=start_deadline, ping_output_lines=ping_output_lines, after=after, then=then, **consul)

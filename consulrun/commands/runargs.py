@@ -101,6 +101,8 @@ OPTIONS: dict[str, tuple[str, Callable[[str], Any] | None, Any, bool, str | None
     "--retry-backoff": ("retry_backoff", _duration((0, DURATION_MAX_MS)), "10s", False, None),
     "--retry-max-backoff": ("retry_max_backoff", _duration((0, DURATION_MAX_MS)), "5min", False, None),
     "--start-deadline": ("start_deadline", _duration((1, DURATION_MAX_MS)), None, False, None),
+    "--after": ("after", _text, (), True, None),
+    "--then": ("then", _text, (), True, None),
     "--http-addr": ("http_addr", _text, None, False, "CONSUL_HTTP_ADDR"),
     "--token-file": ("token_file", _text, None, False, "CONSUL_HTTP_TOKEN_FILE"),
     "--ca-file": ("ca_file", _text, None, False, "CONSUL_CACERT"),
@@ -192,7 +194,7 @@ def start(job: str, command: tuple[str, ...], prefix: str, ttl: int, lock_delay:
           timeout: int | None = None, skip_when_stopped: bool = False, node_meta: tuple[str, ...] = (),
           node_names: tuple[str, ...] = (), attempts: int = 1, retry_backoff: int = 10_000,
           retry_max_backoff: int = 300_000, start_deadline: int | None = None, ping_output_lines: int | None = None,
-          **consul: str | None) -> NoReturn:
+          after: tuple[str, ...] = (), then: tuple[str, ...] = (), **consul: str | None) -> NoReturn:
     """Check what the options cannot check alone, then run the job under its lock and exit with its status."""
     problem = None if job == WATCHDOG_JOB else name_problem(job)  # the watchdog's own lock is one to run
     if problem:
@@ -203,10 +205,11 @@ def start(job: str, command: tuple[str, ...], prefix: str, ttl: int, lock_delay:
         problem = schedule_problem(spec_text)
         if problem:
             raise UsageError(f"--schedule: {problem}")
-    if attempts > 1 and not schedules:
-        raise UsageError("--attempts retries a scheduled occurrence: it needs --schedule")
-    if start_deadline is not None and not schedules:
-        raise UsageError("--start-deadline is about a scheduled occurrence: it needs --schedule")
+    thens = _chain_options(job, after, then, concurrency)
+    if attempts > 1 and not (schedules or after):
+        raise UsageError("--attempts retries a scheduled occurrence: it needs --schedule (or --after)")
+    if start_deadline is not None and not (schedules or after):
+        raise UsageError("--start-deadline is about a scheduled occurrence: it needs --schedule (or --after)")
     if retry_max_backoff < retry_backoff:
         raise UsageError("--retry-max-backoff must be at least --retry-backoff")
     if ping_output_lines is not None and ping_url is None:
@@ -238,8 +241,26 @@ def start(job: str, command: tuple[str, ...], prefix: str, ttl: int, lock_delay:
                          health_check=health_check, pass_consul_token=pass_consul_token, timeout_ms=timeout,
                          skip_when_stopped=skip_when_stopped, attempts=attempts, retry_backoff_ms=retry_backoff,
                          retry_max_backoff_ms=retry_max_backoff, start_deadline_ms=start_deadline,
-                         ping_output_lines=ping_output_lines or 0)
+                         ping_output_lines=ping_output_lines or 0, after=after, thens=thens)
     sys.exit(run_job(request, consul_config(consul)))
+
+
+def _chain_options(job: str, after: tuple[str, ...], then: tuple[str, ...],
+                   concurrency: int) -> tuple[tuple[str, str], ...]:
+    """`--after JOB` and `--then JOB:ON` checked as the manifest checks `after:`; the (job, on) pairs of --then."""
+    thens = []
+    for given in then:
+        child, _, on = given.rpartition(":")
+        if not child or on not in ("success", "failure", "always") or name_problem(child) or child == job:
+            raise UsageError(f"--then: {given[:80]!r} is not JOB:ON (ON: success, failure or always; JOB another "
+                             "job's name)")
+        thens.append((child, on))
+    for parent in after:
+        if name_problem(parent) or parent == job:
+            raise UsageError(f"--after: {parent[:80]!r} is not another job's name")
+    if (after or then) and concurrency != 1:
+        raise UsageError("--after and --then join occurrences: they cannot be combined with --concurrency")
+    return tuple(thens)
 
 
 def _placement(node_meta: tuple[str, ...], node_names: tuple[str, ...]) -> Any:

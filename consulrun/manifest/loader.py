@@ -27,7 +27,7 @@ from consulrun.consul.address import AddressError, parse_address
 from consulrun.consul.client import CREDENTIAL_VARIABLES
 from consulrun.consul.settings import ConsulSettings
 from consulrun.errors import ManifestError, os_reason
-from consulrun.manifest import hardening, shellsyntax, unitescape, unitsettings
+from consulrun.manifest import chains, hardening, shellsyntax, unitescape, unitsettings
 from consulrun.manifest.durations import (
     DURATION_MAX_MS,
     LOCK_DELAY_RANGE_MS,
@@ -96,6 +96,7 @@ class Job:
     placement: Placement | None = None  # `nodes:`: which Consul nodes may run it (None: any)
     start_deadline_ms: int | None = None  # an occurrence not started this long after its time is missed, not run
     retries: RetrySettings = RetrySettings()
+    after: tuple[tuple[str, str], ...] = ()  # (parent job, on): run once per parent occurrence ended so (chains.py)
 
 
 @dataclass(frozen=True)
@@ -354,6 +355,7 @@ def _semantic_checks(problems: _Problems, data: dict[str, Any]) -> None:
         _check_duration(problems, path + ("wait",), block.get("wait"))
     _check_retries(problems, defaults, jobs)
     _check_start_deadline(problems, defaults, jobs)
+    chains.check(jobs, defaults, problems.add)
     for path, block in timer_blocks:
         _check_settings(problems, block, path, "timer")
         if isinstance(block, dict):
@@ -460,7 +462,7 @@ def _build(source: str, data: dict[str, Any], problems: _Problems) -> Manifest:
     jobs = []
     for name in sorted(data["jobs"]):
         raw = data["jobs"][name]
-        schedule = raw["schedule"]
+        schedule = raw.get("schedule", [])
         jobs.append(Job(
             name=name,
             command=_split_command(problems, ("jobs", name, "command"), raw["command"], raw.get("shell", False)),
@@ -488,6 +490,7 @@ def _build(source: str, data: dict[str, Any], problems: _Problems) -> Manifest:
             start_deadline_ms=_ms(raw["start_deadline"]) if "start_deadline" in raw else
             (_ms(defaults["start_deadline"]) if "start_deadline" in defaults else None),
             retries=_retries({**defaults.get("retries", {}), **raw.get("retries", {})}),
+            after=chains.parents(raw),
         ))
     return Manifest(
         source=source,

@@ -133,12 +133,19 @@ class _Walker:
             return node.value
         return self.loader.construct_object(node, deep=True)
 
+    def _key(self, node: yaml.ScalarNode) -> Any:
+        # YAML 1.1 reads a plain `on:`, `yes:` or `off:` key as a boolean; no manifest key is one, and `after:`'s
+        # `on:` must stay the word it is (as GitHub Actions had to learn).
+        if node.tag == "tag:yaml.org,2002:bool" and not node.style:  # plain (libyaml says "", PyYAML None)
+            return node.value
+        return self._scalar(node)
+
     def _mapping(self, node: yaml.MappingNode, path: Path) -> dict[Any, Any]:
         seen: dict[Any, tuple[int, int]] = {}
         for key_node, _ in node.value:
             if not isinstance(key_node, yaml.ScalarNode) or key_node.tag == "tag:yaml.org,2002:merge":
                 continue
-            key = self._scalar(key_node)
+            key = self._key(key_node)
             if key in seen:
                 first = seen[key]
                 self.out.problems.append(
@@ -151,7 +158,7 @@ class _Walker:
             if not isinstance(key_node, yaml.ScalarNode):
                 self.out.problems.append((_pos(key_node.start_mark), "mapping keys must be plain scalars"))
                 continue
-            key = self._scalar(key_node)
+            key = self._key(key_node)
             self.out.keys[path + (key,)] = key_node.start_mark
             result[key] = self.walk(value_node, path + (key,), where=key_node.start_mark)
         return result

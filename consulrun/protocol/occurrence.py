@@ -116,9 +116,14 @@ class Snapshot:
 class Ledger:
     """Reads and writes one job's occurrence record and history."""
 
-    def __init__(self, client: Client, base: str, history_size: int, health_prefix: str | None = None) -> None:
+    def __init__(self, client: Client, base: str, history_size: int, health_prefix: str | None = None,
+                 thens: tuple[tuple[str, str], ...] = (), policy: str = "skip") -> None:
         """`health_prefix`: the KV prefix whose external node holds the job's health check, which every result
-        written here then updates in the same transaction (see the health module); None: no check."""
+        written here then updates in the same transaction (see the health module); None: no check. `thens`:
+        (child, on) of the jobs chained after this one, whose requests a final result writes in its own
+        transaction (chain.py); under `policy` retry a lost or abandoned attempt is not final."""
+        self.thens = thens
+        self.policy = policy
         self.client = client
         self.base = base
         self.job = base.rsplit("/", 1)[-1]
@@ -149,7 +154,20 @@ class Ledger:
         self.client.kv_get(self.record_key, index=index, wait_s=wait_s * 16 / 17)  # Consul adds up to wait/16
 
     def manual_key(self, claim: dict[str, Any]) -> str:
+        """The history entry of a run outside the schedule: a manual one's, or a chained one's (chain.py)."""
+        if claim.get("after"):
+            return self.history_prefix + str(claim["run"])
         return f"{self.history_prefix}{claim['started']}~manual"
+
+    def then_ops(self, final: dict[str, Any]) -> list[dict[str, Any]]:
+        """The chained jobs' requests `final` makes, if it is final: a lost or abandoned attempt of an occurrence
+        another node may take over (`retry`) is not; a chained run is never taken over."""
+        if not self.thens or (final.get("state") in FAILED_STATES and self.policy == "retry"
+                              and not final.get("after")):
+            return []
+        from consulrun.protocol.chain import then_ops  # only a job with chained jobs needs it
+
+        return then_ops(self.base.rsplit("/", 1)[0], self.job, final, self.thens)
 
     def manual_claim_ops(self, snap: Snapshot, holder: dict[str, Any]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
         """Operations that take a pending trigger for this node: consumed once (check-and-delete), recorded."""
@@ -161,7 +179,11 @@ class Ledger:
                 kv_op("set", self.manual_key(claim), claim), pause.unchanged_op(self.base, snap.pause_index)], claim
 
     def manual_finish_ops(self, claim: dict[str, Any], outcome: dict[str, Any], state: str) -> list[dict[str, Any]]:
-        return [kv_op("set", self.manual_key(claim), {**claim, **outcome, "state": state})]
+        final = {**claim, **outcome, "state": state, **({} if outcome.get("ended") else {"ended": now_iso()})}
+        if not claim.get("after"):  # a manual run starts no chained run: it is no occurrence
+            return [kv_op("set", self.manual_key(claim), {**claim, **outcome, "state": state})]
+        return [kv_op("set", self.manual_key(claim), final), *self.then_ops(final),
+                *self.prune_ops(self._history_entries(), keep=self.manual_key(claim)), *self.health_ops(final)]
 
     def verdict(self, snap: Snapshot, occ: Occurrence) -> str:
         """'free' (nobody has it), 'done', 'running', 'dead' (running, but its runner lost the lock),
@@ -231,12 +253,17 @@ class Ledger:
         The record is check-and-set on its index as our claim left it: a result never overwrites a takeover.
         """
         done = {**claim, **outcome, "state": "done"}
-        ops = [kv_op("cas", self.record_key, done, Index=claim_index), kv_op("set", self.history_prefix + claim["occurrence"], done)]
+        ops = [kv_op("cas", self.record_key, done, Index=claim_index), kv_op("set", self.history_prefix + claim["occurrence"], done),
+               *self.then_ops(done)]
+        return ops + self.prune_ops(self._history_entries(), keep=self.history_prefix + claim["occurrence"]) + \
+            self.health_ops(done)
+
+    def _history_entries(self) -> list[dict[str, Any]]:
         try:
             _, entries = self.client.kv_get(self.history_prefix, recurse=True)
         except ConsulrunError:  # pruning can wait for the next run; recording the result cannot
             entries = []
-        return ops + self.prune_ops(entries or [], keep=self.history_prefix + claim["occurrence"]) + self.health_ops(done)
+        return entries or []
 
     def health_ops(self, record: dict[str, Any]) -> list[dict[str, Any]]:
         """The job's health check set from `record`, last in the transaction (dropped if Consul refuses it)."""
@@ -261,7 +288,8 @@ class Ledger:
         """Record `record`'s attempt as lost/abandoned, only if the record is still at `record_index`."""
         final = _final(record, state, reason)
         return [kv_op("cas", self.record_key, final, Index=record_index),
-                kv_op("set", self.history_prefix + record["occurrence"], final), *self.health_ops(final)]
+                kv_op("set", self.history_prefix + record["occurrence"], final), *self.then_ops(final),
+                *self.health_ops(final)]
 
     def record_index_after_claim(self, held: Held) -> int:
         """The record's ModifyIndex as our claim left it (from the claim transaction's results)."""

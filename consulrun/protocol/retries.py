@@ -74,7 +74,8 @@ def next_due(schedules: tuple[str, ...], claim: dict[str, Any] | None) -> dateti
     occurrence = (claim or {}).get("occurrence")
     try:
         when = datetime.strptime(str(occurrence), "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=timezone.utc) \
-            if occurrence and not (claim or {}).get("manual") else datetime.now(timezone.utc)
+            if occurrence and not (claim or {}).get("manual") and not (claim or {}).get("after") \
+            else datetime.now(timezone.utc)
     except ValueError:
         when = datetime.now(timezone.utc)
     return calendar.following(list(schedules), when)
@@ -109,7 +110,7 @@ def record_failed_attempt(locker: Locker, ledger: Ledger, held: Held, claim: dic
     nxt = {**claim, "attempt": int(claim.get("attempt") or 1) + 1, "takeover": False, "retry_at": retry_at,
            "earlier": [*claim.get("earlier", []), failed]}
     check = kv_op("check-session", ledger.lock_key, Session=held.session)
-    if claim.get("manual"):
+    if claim.get("manual") or claim.get("after"):
         ops = [kv_op("set", ledger.manual_key(claim), nxt), check]
     else:
         index = ledger.record_index_after_claim(held)
@@ -123,7 +124,7 @@ def record_failed_attempt(locker: Locker, ledger: Ledger, held: Held, claim: dic
         log.warning("%s: the failed attempt cannot be recorded (the record moved or the lock is no longer ours); "
                     "not retrying", locker.spec.job)
         return None
-    return nxt, held._replace(results=results) if not claim.get("manual") else held
+    return nxt, held._replace(results=results) if not (claim.get("manual") or claim.get("after")) else held
 
 
 def wait_backoff(until: float, ended: Callable[[], str | None], sleep: Callable[[float], None]) -> str | None:

@@ -75,6 +75,8 @@ class RunRequest:
     retry_backoff_ms: int = 10_000  # before the first retry; doubled for each next one
     retry_max_backoff_ms: int = 300_000
     start_deadline_ms: int | None = None  # an occurrence not started this long after its time is missed, not run
+    after: tuple[str, ...] = ()  # the jobs this one runs after: a pending chained run comes first (chain.py)
+    thens: tuple[tuple[str, str], ...] = ()  # (job, on) of the jobs chained after this one
 
 
 class _Signals:
@@ -251,6 +253,13 @@ def _job_environment(held: Held, spec: LockSpec, claim: dict[str, object] | None
                 "CONSULRUN_FENCING_TOKEN": str(held.fencing_token), "CONSULRUN_ATTEMPT": str(attempt)})
     if claim and claim.get("manual"):
         env["CONSULRUN_MANUAL"] = str(claim.get("requested_by"))
+    elif claim and claim.get("after"):
+        parent = claim["after"]
+        env.update({"CONSULRUN_OCCURRENCE": str(claim["run"]), "CONSULRUN_PARENT_JOB": str(parent.get("job")),
+                    "CONSULRUN_PARENT_OCCURRENCE": str(parent.get("occurrence")),
+                    "CONSULRUN_PARENT_STATE": str(parent.get("state")),
+                    "CONSULRUN_PARENT_EXIT_STATUS": "" if parent.get("exit_status") is None
+                    else str(parent.get("exit_status"))})
     elif claim:
         env["CONSULRUN_OCCURRENCE"] = str(claim["occurrence"])
     return env
@@ -325,6 +334,12 @@ def _acquire_with_retries(request: RunRequest, locker: Locker) -> tuple[Held | N
             refusal = locker.placement_refusal()  # one read of the local agent, no write
             if refusal:
                 return None, None, None, refusal
+            # systemd names the unit that started this one (a path or timer unit); `systemctl start` names none.
+            by_timer = os.environ.get("TRIGGER_UNIT", "").endswith(".timer")
+            if request.after and not (request.schedules and by_timer):  # chain-watch started it (or an operator)
+                chained = _chained(request, locker)
+                if chained is not None or not request.schedules:
+                    return chained or (None, None, None, "no run after " + ", ".join(request.after) + " is pending")
             if not request.schedules:
                 held, why = locker.acquire()
                 return held, None, None, why
@@ -333,10 +348,7 @@ def _acquire_with_retries(request: RunRequest, locker: Locker) -> tuple[Held | N
             occ = occurrence.current(list(request.schedules), datetime.now(timezone.utc))
             if occ is None:
                 raise UsageError("the schedule has no occurrence at or before now; nothing to run")
-            ledger = occurrence.Ledger(locker.client, spec.base, request.history,
-                                       health_prefix=spec.prefix if request.health_check else None)
-            # systemd names the unit that started this one (a path or timer unit); `systemctl start` names none.
-            by_timer = os.environ.get("TRIGGER_UNIT", "").endswith(".timer")
+            ledger = _ledger(request, locker)
             held, claim, why = occurrence.acquire(
                 locker, ledger, occ, request.on_holder_loss, spec.wait_ms / 1000, by_timer=by_timer,
                 start_deadline_s=request.start_deadline_ms / 1000 if request.start_deadline_ms else None)
@@ -353,12 +365,36 @@ def _acquire_with_retries(request: RunRequest, locker: Locker) -> tuple[Held | N
             backoff = min(backoff * 2, 4.0)
 
 
+def _ledger(request: RunRequest, locker: Locker) -> occurrence.Ledger:
+    from consulrun.protocol import occurrence
+
+    return occurrence.Ledger(locker.client, request.spec.base, request.history,
+                             health_prefix=request.spec.prefix if request.health_check else None,
+                             thens=request.thens, policy=request.on_holder_loss)
+
+
+def _chained(request: RunRequest, locker: Locker) -> tuple[Held | None, occurrence.Ledger | None,
+                                                          dict[str, Any] | None, str] | None:
+    """A pending run after one of the job's parents, claimed (chain.py); None if none is pending."""
+    from consulrun.protocol import chain
+
+    ledger = _ledger(request, locker)
+    found = chain.acquire(locker, ledger, request.after,
+                          request.start_deadline_ms / 1000 if request.start_deadline_ms else None)
+    if found is None:
+        return None
+    held, claim, why = found
+    return held, ledger, claim, why
+
+
 def _run_held(request: RunRequest, locker: Locker, held: Held, fencing: Fencing, signals: _Signals,
               ledger: occurrence.Ledger | None, claim: dict[str, Any] | None) -> int:
     spec = request.spec
     which = ""
     if claim and claim.get("manual"):
         which = f" for a manual run asked for by {claim.get('requested_by')}"
+    elif claim and claim.get("after"):
+        which = f" for the run after {claim['after'].get('job')}'s {claim['after'].get('occurrence')}"
     elif claim:
         which = f" for occurrence {claim['occurrence']}" + (", taking over from a dead runner," if claim["takeover"] else "")
     # The node is Consul's name for it (on-failure reads it from this line: it can differ from the host name).
@@ -630,7 +666,7 @@ def _record_and_release(locker: Locker, held: Held, ledger: occurrence.Ledger | 
             log.warning("%s: the lock was no longer ours when the job ended and is held again or its run's end "
                         "recorded; this run's result is not recorded", job)
         return False
-    if claim.get("manual"):  # a triggered run is no occurrence: its history entry is all it records
+    if claim.get("manual") or claim.get("after"):  # no occurrence: its history entry is all it records
         state = "lost" if outcome.get("lost") or not outcome else "done"
         ops = ledger.manual_finish_ops(claim, {"reason": outcome["lost"]} if outcome.get("lost") else outcome, state)
         if locker.release(held, outcome, ops):

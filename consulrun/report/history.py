@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 
 FIELDS = ("occurrence", "attempt", "node", "started", "ended", "duration_s", "exit_status", "state", "takeover",
           "manual", "reason", "session", "paused", "host", "unit", "invocation_id", "retried", "retry_after_s",
-          "retry_at", "retries_ended")
+          "retry_at", "retries_ended", "after")
 
 
 def _row(record: dict[str, Any], **overrides: Any) -> dict[str, Any]:
@@ -99,6 +99,8 @@ def rows_of(keys: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
     for key, entry in sorted(keys.items()):
         if key.startswith("history/"):
             value = decoded(entry)
+            if value.get("after") and not value.get("occurrence"):  # a chained run: its own id (chain.py)
+                value = {**value, "occurrence": value.get("run") or key[len("history/"):]}
             if value:
                 records[str(value.get("occurrence") or key[len("history/"):])] = value
     current = decoded(keys.get("occurrence"))
@@ -134,6 +136,10 @@ def table(rows: list[dict[str, Any]], now: datetime) -> list[list[str]]:
         else:
             result = f"exit {r['exit_status']}" if r["exit_status"] is not None else (r["state"] or "-")
         notes = [n for n, on in (("takeover", r["takeover"]), ("manual", r["manual"])) if on]
+        if isinstance(r["after"], dict):  # the parent run this one ran after, and how that ended
+            parent = r["after"]
+            ended = f"exit {parent.get('exit_status')}" if parent.get("exit_status") is not None else parent.get("state")
+            notes.append(f"after {parent.get('job')} {parent.get('occurrence')} ({ended})")
         if r["retried"]:
             notes.append(f"retried after {duration(r['retry_after_s'])}" if isinstance(r["retry_after_s"], (int, float))
                          else "retried")

@@ -201,6 +201,8 @@ class Expectations:
 
     @classmethod
     def of(cls, job: Job | None, record: dict[str, Any] | None, grace_s: float) -> "Expectations | None":
+        if job is not None and not job.schedules:  # it only runs after other jobs: no time it is due by
+            return None
         if job is not None:
             lag = (job.timer.accuracy_ms + job.timer.randomized_delay_ms) / 1000 + TURN_MAX_S + grace_s
             return cls(job.schedules, lag, job.timeout_ms / 1000 if job.timeout_ms else None)
@@ -287,6 +289,10 @@ def _overdue_holders(status: JobStatus, expect: Expectations | None, now: dateti
 def _record_of(keys: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
     if "occurrence" in keys:
         return decoded(keys["occurrence"]) or None
+    chained = [decoded(e) for k, e in keys.items() if k.startswith("history/") and "~after~" in k]
+    if chained:  # a job that only runs after others: its newest run, named by the parent run it followed
+        newest = max(chained, key=lambda r: str(r.get("started") or r.get("ended") or ""))
+        return {**newest, "occurrence": newest.get("run")}
     runs = []
     for key, entry in sorted(keys.items()):
         if key != "lock" and not key.startswith("slots/"):
@@ -324,6 +330,8 @@ def judge_job(name: str, keys: dict[str, dict[str, Any]], manifest: Manifest | N
     record = _record_of(keys)
     if record:
         status.last = {k: record.get(k) for k in (*LAST_FIELDS, "retry_at")}
+        if isinstance(record.get("after"), dict):  # the parent run it ran after (chain.py)
+            status.last["after"] = record["after"]
         status.last["duration_s"] = seconds_between(record.get("started"), record.get("ended"))
     if status.state == "never run" and any(not _operators_key(key) for key in keys):
         status.state = "held" if status.holders else "free"

@@ -85,7 +85,8 @@ class Watched:
     @classmethod
     def from_manifest(cls, manifest: Any) -> "Watched":
         return cls(tuple(WatchedJob(j.name, tuple(j.schedules), WatchedTimer(j.timer.accuracy_ms, j.timer.randomized_delay_ms),
-                                    j.timeout_ms) for j in manifest.jobs))
+                                    j.timeout_ms) for j in manifest.jobs
+                         if j.schedules))  # a job that only runs after others has no time to be missed by
 
     def to_json(self) -> str:
         return json.dumps({j.name: {"schedules": list(j.schedules), "accuracy_ms": j.timer.accuracy_ms,

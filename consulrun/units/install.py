@@ -24,6 +24,7 @@ from consulrun import __version__
 from consulrun.consul.address import AddressError, parse_address
 from consulrun.errors import ConsulrunError, OutputError, UsageError, os_reason
 from consulrun.manifest.loader import Manifest
+from consulrun.units.chains import is_watcher
 from consulrun.units.guarantees import warnings as guarantee_warnings
 from consulrun.units.owner import claimed_by_another, owner
 from consulrun.units.render import (
@@ -54,7 +55,7 @@ class Plan:
 
     def timers(self, which: str) -> list[str]:
         names = {"add": self.add, "change": self.change, "remove": self.remove}[which]
-        return sorted(n for n in names if n.endswith(".timer"))
+        return sorted(n for n in names if n.endswith(".timer") or is_watcher(n))  # a chain's watcher is enabled too
 
     def actions(self, start: bool, offline: bool) -> list[list[str]]:
         """The systemctl calls applying this plan makes, in order (none for an empty plan: nothing is applied)."""

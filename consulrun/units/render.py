@@ -7,6 +7,7 @@ filters, which are the only way into the file.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from importlib import resources
 from pathlib import Path
@@ -18,6 +19,7 @@ from consulrun.manifest import hardening, unitescape, unitsettings
 from consulrun.manifest.durations import format_duration
 from consulrun.manifest.loader import Job, LockSettings, Manifest, TimerSettings
 from consulrun.protocol.fencing import stop_timeout_ms
+from consulrun.units import chains
 from consulrun.units.guarantees import start_timeout_ms
 from consulrun.units.owner import GENERATED_MARKER, OWNER_MARKER, claimed_by_another, owner, owner_of
 
@@ -94,6 +96,7 @@ def run_argv(manifest: Manifest, job: Job, consulrun_path: str) -> list[str]:
                      format_duration(job.retries.backoff_ms), "--retry-max-backoff",
                      format_duration(job.retries.max_backoff_ms)]
         argv += ["--start-deadline", format_duration(job.start_deadline_ms)] if job.start_deadline_ms else []
+        argv += chains.run_args(manifest, job)
     if job.ping_url:
         argv += ["--ping-url", job.ping_url]
         argv += ["--ping-output-lines", str(job.ping_output_lines)] if job.ping_output_lines else []
@@ -203,7 +206,9 @@ def render(manifest: Manifest, consulrun_path: str, templates: Path | None = Non
                        "on_failure_name": on_failure_unit(manifest, job) if job.on_failure else None,
                        "on_failure_argv": on_failure_argv(manifest, job, consulrun_path)}
             units[service] = service_t.render(context)
-            units[timer] = timer_t.render(context)
+            if job.schedules:  # a job that only runs after others has no timer; its watcher starts it
+                units[timer] = timer_t.render(context)
+            units.update(chains.units(env, manifest, job, consulrun_path, context))
             if job.on_failure:
                 units[context["on_failure_name"]] = failure_t.render(context)
     except jinja2.TemplateError as exc:
@@ -364,7 +369,8 @@ def write_units(units: dict[str, str], outdir: Path, name: str) -> tuple[list[Pa
         for tmp, _ in staged:
             tmp.unlink(missing_ok=True)
         if created_dir:
-            _remove_empty(outdir)
+            with contextlib.suppress(OSError):  # only if empty: the folder was made for these units
+                outdir.rmdir()
         if isinstance(exc, OutputError):
             raise
         where = getattr(exc, "filename", None) or outdir
@@ -383,17 +389,5 @@ def _put_back(renamed: list[Path], previous: dict[Path, str | None]) -> None:
 
 def restore_file(target: Path, old: str | None) -> None:
     """Put `old` back at `target` (remove it if there was none); best effort: the caller is undoing a failure."""
-    try:
-        if old is None:
-            target.unlink(missing_ok=True)
-        else:
-            replace_atomic(target, old)
-    except OSError:
-        pass
-
-
-def _remove_empty(path: Path) -> None:
-    try:
-        path.rmdir()
-    except OSError:
-        pass
+    with contextlib.suppress(OSError):
+        target.unlink(missing_ok=True) if old is None else replace_atomic(target, old)

@@ -1,0 +1,447 @@
+"""Job chains (`after:`): the manifest's refusals, the units, and the protocol on a real dev agent."""
+
+from __future__ import annotations
+
+import base64
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from consulrun.errors import ManifestError
+from consulrun.manifest.loader import parse_manifest
+from tests.harness.agents import Agent, Cluster, wait_for
+from tests.test_run import consulrun, finish, kv_json
+
+YEARLY = "*-01-01 00:00:00 UTC"  # an occurrence that is always in the past and long before the next
+
+
+def _messages(text: str) -> str:
+    with pytest.raises(ManifestError) as caught:
+        parse_manifest(text, "m.yaml")
+    return "\n".join(caught.value.problems)
+
+
+def _put(consul: Agent, key: str, value: str) -> None:
+    consul.api("PUT", f"kv/{key}", data=value.encode())
+
+
+JOBS = "jobs:\n  a:\n    command: /bin/true\n    schedule: daily\n"
+
+
+@pytest.mark.parametrize(("after", "where", "said"), [
+    ("[zz]", "m.yaml:7:13: jobs.b.after[0]", "unknown job 'zz'"),
+    ("[aa]", "m.yaml:7:13: jobs.b.after[0]", "unknown job 'aa' (did you mean 'a'?)"),
+    ("[b]", "m.yaml:7:13: jobs.b.after[0]", "job 'b' cannot run after itself"),
+    ("[a, {job: a, on: failure}]", "m.yaml:7:22: jobs.b.after[1].job", "names job 'a' twice"),
+    ("[{job: a, on: never}]", "m.yaml:7:13: jobs.b.after[0]",
+     "{'job': 'a', 'on': 'never'} must be a job name or a mapping"),
+])
+def test_after_refuses_unknown_self_and_twice_with_file_line_and_field(after: str, where: str, said: str) -> None:
+    text = JOBS + f"  b:\n    command: /bin/true\n    after: {after}\n"
+    message = _messages(text)
+    assert f"{where}: {said}" in message, message
+
+
+def test_a_cycle_is_refused_at_the_entry_that_closes_it_with_the_loop_spelled_out() -> None:
+    text = JOBS + ("  b:\n    command: /bin/true\n    after: [c]\n"
+                   "  c:\n    command: /bin/true\n    after:\n      - job: d\n        on: always\n"
+                   "  d:\n    command: /bin/true\n    after: [b, a]\n")
+    message = _messages(text)
+    loop = "m.yaml:15:13: jobs.d.after[0]: a cycle: 'b' runs after 'c' runs after 'd' runs after 'b'"
+    assert loop in message, message
+    assert message.count("a cycle") == 1, message
+
+
+def test_a_job_needs_a_schedule_or_after_and_a_chain_needs_one_holder() -> None:
+    assert "jobs.b: missing required key 'schedule'" in _messages(JOBS + "  b:\n    command: /bin/true\n")
+    text = JOBS + "  b:\n    command: /bin/true\n    after: [a]\n    lock: {concurrency: 2}\n"
+    assert "jobs.b.after[0]: it runs with lock.concurrency above 1" in _messages(text)
+
+
+def test_after_takes_names_and_mappings_and_on_is_a_word_not_yaml_s_boolean() -> None:
+    text = JOBS + ("  b:\n    command: /bin/true\n    after: [a]\n"
+                   "  c:\n    command: /bin/true\n    schedule: weekly\n"
+                   "    after:\n      - job: b\n        on: failure\n"
+                   "      - {job: a, on: always}\n")
+    manifest = parse_manifest(text, "m.yaml")
+    jobs = {job.name: job for job in manifest.jobs}
+    assert jobs["b"].after == (("a", "success"),) and jobs["b"].schedules == ()
+    assert jobs["c"].after == (("b", "failure"), ("a", "always")) and jobs["c"].schedules == ("weekly",)
+
+
+def test_units_join_parent_and_child_and_an_after_only_job_has_a_watcher_and_no_timer() -> None:
+    from consulrun.units.render import render
+
+    text = JOBS + ("  b:\n    command: /bin/true\n    after: [{job: a, on: always}]\n    nodes: {names: [n1]}\n"
+                   "  c:\n    command: /bin/true\n    schedule: weekly\n    after: [b]\n")
+    units = render(parse_manifest(text, "m.yaml"), "/usr/bin/consulrun")
+    assert "consulrun-b.timer" not in units and "consulrun-c.timer" in units
+    assert " --then b:always " in units["consulrun-a.service"]
+    assert " --after a --then c:success " in units["consulrun-b.service"]
+    watcher = units["consulrun-after@b.service"]
+    assert "ExecStart=/usr/bin/consulrun chain-watch --prefix consulrun --unit consulrun-b.service --node-name n1 b" \
+        in watcher and "Restart=always" in watcher and "WantedBy=multi-user.target" in watcher
+    assert "consulrun-after@a.service" not in units and "consulrun-after@c.service" in units
+
+
+def _run(*args: str, env: dict[str, str] | None = None) -> tuple[int, str, str]:
+    return finish(consulrun("run", *args, env=env))
+
+
+def _parent(tmp: Path, status: int = 0, *extra: str) -> tuple[int, str, str]:
+    return _run("--schedule", YEARLY, *extra, "--then", "child:success", "--then", "onfail:failure", "parent", "--",
+                "sh", "-c", f"echo parent >> {tmp}/parent; exit {status}")
+
+
+def _child(tmp: Path, name: str = "child", *extra: str) -> tuple[int, str, str]:
+    env_line = "$CONSULRUN_PARENT_JOB $CONSULRUN_PARENT_OCCURRENCE $CONSULRUN_PARENT_STATE " \
+               "$CONSULRUN_PARENT_EXIT_STATUS $CONSULRUN_OCCURRENCE"
+    return _run("--after", "parent", *extra, name, "--", "sh", "-c", f'echo "{env_line}" >> {tmp}/{name}')
+
+
+@pytest.mark.consul
+def test_a_parent_s_end_is_a_request_written_with_its_result_and_the_child_runs_once_for_it(
+        consul: Agent, tmp_path: Path) -> None:
+    from datetime import datetime, timezone
+
+    occ = f"{datetime.now(timezone.utc).year}-01-01T00:00:00Z"
+    code, _, err = _child(tmp_path)
+    assert code == 0 and "no run after parent is pending" in err, err  # nothing asked: a skip, nothing written
+    code, _, err = _parent(tmp_path)
+    assert code == 0, err
+    request = kv_json(consul, f"consulrun/child/after/parent/{occ}")
+    assert request and request["parent"] == "parent" and request["occurrence"] == occ, request
+    assert request["state"] == "done" and request["exit_status"] == 0 and request["node"] == "dev1", request
+    assert kv_json(consul, f"consulrun/onfail/after/parent/{occ}") is None  # on: failure, and it succeeded
+    # The request and the parent's result came in one transaction: the same index.
+    record = consul.get("kv/consulrun/parent/history/" + occ)
+    req_entry = consul.get(f"kv/consulrun/child/after/parent/{occ}")
+    assert record[0]["ModifyIndex"] == req_entry[0]["ModifyIndex"], (record, req_entry)
+
+    code, _, err = _child(tmp_path)
+    assert code == 0, err
+    assert (tmp_path / "child").read_text() == f"parent {occ} done 0 {occ}~after~parent\n"
+    assert kv_json(consul, f"consulrun/child/after/parent/{occ}") is None  # consumed
+    entry = kv_json(consul, f"consulrun/child/history/{occ}~after~parent")
+    assert entry and entry["state"] == "done" and entry["exit_status"] == 0, entry
+    assert entry["after"] == {"job": "parent", "occurrence": occ, "state": "done", "exit_status": 0, "node": "dev1",
+                              "ended": request["ended"]}, entry
+    code, _, err = _child(tmp_path)  # once: nothing more is pending
+    assert code == 0 and "no run after parent is pending" in err, err
+    assert (tmp_path / "child").read_text().count("\n") == 1
+
+    # Written again (a forged or re-recorded request): its history entry keeps the run to one.
+    _put(consul, f"consulrun/child/after/parent/{occ}", base64.b64decode(req_entry[0]["Value"]).decode())
+    code, _, err = _child(tmp_path)
+    assert code == 0 and "has run already" in err, err
+    assert (tmp_path / "child").read_text().count("\n") == 1
+    assert kv_json(consul, f"consulrun/child/after/parent/{occ}") is None  # the spent request removed
+
+    code, out, err = finish(consulrun("history", "--prefix", "consulrun", "child"))
+    assert code == 0 and f"after parent {occ} (exit 0)" in out, (out, err)
+    code, out, err = finish(consulrun("status", "--prefix", "consulrun", "child"))
+    row = next((line for line in out.splitlines() if line.startswith("child ")), "")
+    assert f"{occ}~after~parent" in row and "exit 0 in" in row and "on dev1" in row, (out, err)
+    (tmp_path / "m.yaml").write_text(JOBS.replace("a:", "parent:") + "  child:\n    command: /bin/true\n"
+                                     "    after: [parent]\n")
+    code, out, err = finish(consulrun("status", str(tmp_path / "m.yaml")))  # the manifest's child has no schedule
+    row = next((line for line in out.splitlines() if line.startswith("child ")), "")
+    assert f"{occ}~after~parent" in row and row.rstrip().endswith("-"), (out, err)  # no NEXT: nothing it is due by
+
+
+@pytest.mark.consul
+def test_a_child_s_skips_make_no_raft_writes(consul: Agent, tmp_path: Path) -> None:
+    """Started with nothing pending, or with the job running: reads only, no session, no write (the least of
+    three tries: the agent's own writes may land in one window, not in all)."""
+
+    def skip_writes(said: str) -> int:
+        deltas = []
+        for _ in range(3):
+            before = requests_index(consul)
+            code, _, err = _child(tmp_path)
+            assert code == 0 and said in err, err
+            deltas.append(requests_index(consul) - before)
+        return min(deltas)
+
+    assert skip_writes("no run after parent is pending") == 0
+    assert _parent(tmp_path)[0] == 0
+    started, go = tmp_path / "started", tmp_path / "go"
+    holder = consulrun("run", "--schedule", YEARLY, "child", "--", "sh", "-c",
+                       f"touch {started}; while [ ! -e {go} ]; do sleep 0.1; done")
+    try:
+        wait_for(started.exists, 20, "the child's own occurrence to run")
+        assert skip_writes("is pending, but the job is running") == 0
+    finally:
+        go.touch()
+        finish(holder)
+
+
+@pytest.mark.consul
+def test_on_failure_follows_a_failed_final_attempt_and_not_the_retried_ones(consul: Agent, tmp_path: Path) -> None:
+    from datetime import datetime, timezone
+
+    occ = f"{datetime.now(timezone.utc).year}-01-01T00:00:00Z"
+    code, _, err = _parent(tmp_path, 3, "--attempts", "2", "--retry-backoff", "0s")
+    assert code == 3, err
+    assert (tmp_path / "parent").read_text() == "parent\nparent\n"
+    assert kv_json(consul, f"consulrun/child/after/parent/{occ}") is None  # on: success
+    request = kv_json(consul, f"consulrun/onfail/after/parent/{occ}")
+    assert request and request["exit_status"] == 3, request
+    code, _, err = _child(tmp_path, "onfail")
+    assert code == 0, err
+    assert (tmp_path / "onfail").read_text() == f"parent {occ} done 3 {occ}~after~parent\n"
+
+
+@pytest.mark.consul
+def test_a_chained_run_past_the_child_s_start_deadline_is_recorded_missed_and_a_paused_one_skipped(
+        consul: Agent, tmp_path: Path) -> None:
+    import json
+
+    def request(occ: str, ended: str) -> None:
+        _put(consul, f"consulrun/child/after/parent/{occ}", json.dumps(
+            {"parent": "parent", "occurrence": occ, "state": "done", "exit_status": 0, "node": "x", "ended": ended}))
+
+    request("2020-01-01T00:00:00Z", "2020-01-01T00:00:05Z")
+    code, _, err = _child(tmp_path, "child", "--start-deadline", "1h")
+    assert code == 0 and "recorded it missed" in err, err
+    entry = kv_json(consul, "consulrun/child/history/2020-01-01T00:00:00Z~after~parent")
+    assert entry and entry["state"] == "missed" and "start_deadline" in entry["reason"], entry
+    assert not (tmp_path / "child").exists()
+    assert finish(consulrun("pause", "--prefix", "consulrun", "child"))[0] == 0
+    from datetime import datetime, timezone
+
+    now = datetime.now(timezone.utc).isoformat(timespec="seconds").replace("+00:00", "Z")
+    request("2026-01-01T00:00:00Z", now)
+    code, _, err = _child(tmp_path)
+    assert code == 0 and "recorded it skipped" in err, err
+    assert not (tmp_path / "child").exists()
+    assert kv_json(consul, "consulrun/child/after/parent/2026-01-01T00:00:00Z") is None
+
+
+@pytest.mark.consul
+def test_a_chained_run_keeps_to_the_child_s_placement(consul: Agent, tmp_path: Path) -> None:
+    """On a node the child may not run on, neither its run nor its watcher takes the request."""
+    from datetime import datetime, timezone
+
+    from consulrun.consul.client import Client, ConsulConfig
+    from consulrun.manifest.placement import Placement
+    from consulrun.protocol.chainwatch import _may_run_here
+
+    occ = f"{datetime.now(timezone.utc).year}-01-01T00:00:00Z"
+    assert _parent(tmp_path)[0] == 0
+    code, _, err = _child(tmp_path, "child", "--node-name", "elsewhere")
+    assert code == 0 and "is not one the job runs on" in err, err
+    assert kv_json(consul, f"consulrun/child/after/parent/{occ}") is not None and not (tmp_path / "child").exists()
+    client = Client(ConsulConfig.from_env({}, address=consul.http_addr))
+    assert not _may_run_here(client, Placement(names=("elsewhere",)))
+    assert _may_run_here(client, Placement(names=("dev*",)))
+    assert _child(tmp_path, "child", "--node-name", "dev*")[0] == 0 and (tmp_path / "child").exists()
+
+
+@pytest.mark.consul
+def test_chained_runs_keep_the_history_to_its_size(consul: Agent, tmp_path: Path) -> None:
+    import json
+
+    for occ in ("2026-01-01T00:00:00Z", "2026-01-02T00:00:00Z", "2026-01-03T00:00:00Z"):
+        _put(consul, f"consulrun/child/after/parent/{occ}", json.dumps(
+            {"parent": "parent", "occurrence": occ, "state": "done", "exit_status": 0, "node": "x", "ended": occ}))
+        code, _, err = _child(tmp_path, "child", "--history", "2")
+        assert code == 0, err
+    keys = consul.get("kv/consulrun/child/history/", params={"keys": ""})
+    assert keys == ["consulrun/child/history/2026-01-02T00:00:00Z~after~parent",
+                    "consulrun/child/history/2026-01-03T00:00:00Z~after~parent"], keys
+
+
+@pytest.mark.consul
+def test_the_watcher_starts_the_unit_for_a_request_and_writes_nothing_while_idle(consul: Agent,
+                                                                                 tmp_path: Path) -> None:
+    from consulrun.consul.client import Client, ConsulConfig
+    from consulrun.protocol.chainwatch import watch
+
+    started: list[str] = []
+
+    def start_unit(unit: str) -> subprocess.CompletedProcess[str]:
+        started.append(unit)
+        code, out, err = _child(tmp_path)
+        return subprocess.CompletedProcess([unit], code, out, err)
+
+    stop = threading.Event()
+    client = Client(ConsulConfig.from_env({}, address=consul.http_addr))
+    before = requests_index(consul)
+    thread = threading.Thread(target=watch, args=(client, "consulrun/child", "consulrun-child.service", start_unit),
+                              kwargs={"stop": stop.is_set}, daemon=True)
+    thread.start()
+    try:
+        time.sleep(2)  # idle: the watcher blocks on its read (a wall-clock wait only to give it the chance to write)
+        assert requests_index(consul) == before, "the idle watcher wrote"
+        assert started == []
+        code, _, err = _parent(tmp_path)
+        assert code == 0, err
+        wait_for(lambda: (tmp_path / "child").exists(), 30, "the chained run")
+        assert started == ["consulrun-child.service"]
+    finally:
+        stop.set()
+        _put(consul, "consulrun/child/after/wake", "x")  # ends the blocking read
+        thread.join(timeout=30)
+
+
+@pytest.mark.consul
+def test_a_request_left_while_no_node_watched_runs_when_a_watcher_comes_back(consul: Agent, tmp_path: Path) -> None:
+    """Every node with the child was down when the parent ended: the request waits; the first watcher that
+    starts runs it. A request from a job the child no longer runs after is removed, not run."""
+    import json
+
+    from consulrun.consul.client import Client, ConsulConfig
+    from consulrun.protocol.chainwatch import watch
+
+    assert _parent(tmp_path)[0] == 0  # nobody watches
+    _put(consul, "consulrun/child/after/gone/2026-01-01T00:00:00Z", json.dumps(
+        {"parent": "gone", "occurrence": "2026-01-01T00:00:00Z", "state": "done", "exit_status": 0, "node": "x",
+         "ended": "2026-01-01T00:00:01Z"}))
+
+    def start_unit(unit: str) -> subprocess.CompletedProcess[str]:
+        code, out, err = _child(tmp_path)
+        return subprocess.CompletedProcess([unit], code, out, err)
+
+    stop = threading.Event()
+    thread = threading.Thread(target=watch, daemon=True, kwargs={"stop": stop.is_set},
+                              args=(Client(ConsulConfig.from_env({}, address=consul.http_addr)), "consulrun/child",
+                                    "consulrun-child.service", start_unit))
+    thread.start()
+    try:
+        wait_for(lambda: (tmp_path / "child").exists() and requests_pending(consul) == 0, 60,
+                 "the waiting request to run and the unwanted one to go")
+        assert (tmp_path / "child").read_text().count("\n") == 1
+    finally:
+        stop.set()
+        _put(consul, "consulrun/child/after/wake", "x")
+        thread.join(timeout=30)
+
+
+def requests_pending(consul: Agent) -> int:
+    import requests
+
+    response = requests.get(f"{consul.url}/v1/kv/consulrun/child/after/?keys", timeout=10)
+    return 0 if response.status_code == 404 else len(response.json())
+
+
+def requests_index(consul: Agent) -> int:
+    """Raft's applied index as the dev agent reports it: it grows with every write."""
+    return int(consul.get("agent/self")["Stats"]["raft"]["applied_index"])
+
+
+@pytest.mark.cluster
+def test_the_parent_s_node_dies_right_after_finishing_and_the_child_runs_once_elsewhere(cluster: Cluster,
+                                                                                       tmp_path: Path) -> None:
+    """A runs on node2, whose agent is killed the moment A's wrapper exits; B is installed on node1 and node3,
+    each with its watcher: the request A's result wrote survives node2, both watchers see it and start B, and
+    B runs once, on one of them."""
+    from consulrun.consul.client import Client, ConsulConfig
+    from consulrun.protocol.chainwatch import watch
+
+    node1 = cluster.server
+    node2, node3 = cluster.clients
+    env = {"CONSUL_HTTP_ADDR": "127.0.0.1:8500"}
+    ran = tmp_path / "ran"
+    calls: list[str] = []
+    in_flight = [0]
+
+    def starter(agent: Agent):  # noqa: ANN202 - what systemctl start of B's unit does on that node
+        def start_unit(unit: str) -> subprocess.CompletedProcess[str]:
+            calls.append(agent.name)
+            in_flight[0] += 1
+            try:
+                code, out, err = finish(consulrun("run", "--after", "a", "b", "--", "sh", "-c",
+                                                  f'echo "$CONSULRUN_PARENT_OCCURRENCE {agent.name}" >> {ran}',
+                                                  env=env, netns=agent.netns), timeout=120)
+            finally:
+                in_flight[0] -= 1
+            return subprocess.CompletedProcess([unit], code, out, err)
+        return start_unit
+
+    stop = threading.Event()
+    watchers = [threading.Thread(target=watch, daemon=True, kwargs={"stop": stop.is_set}, args=(
+        Client(ConsulConfig.from_env({}, address=agent.http_addr)), "consulrun/b", "consulrun-b.service",
+        starter(agent))) for agent in (node1, node3)]
+    for thread in watchers:
+        thread.start()
+    try:
+        code, _, err = finish(consulrun("run", "--schedule", YEARLY, "--then", "b:success", "a", "--", "true",
+                                        env=env, netns=node2.netns), timeout=120)
+        node2.kill()  # right after A's result is recorded: nothing more comes from node2
+        assert code == 0, err
+        from datetime import datetime, timezone
+
+        occ = f"{datetime.now(timezone.utc).year}-01-01T00:00:00Z"
+        wait_for(lambda: (kv_json(node1, f"consulrun/b/history/{occ}~after~a") or {})
+                 .get("state") == "done", 90, "B's run after A")
+        wait_for(lambda: in_flight[0] == 0 and kv_json(node1, f"consulrun/b/after/a/{occ}") is None, 60,
+                 "the watchers' starts to end")
+        lines = ran.read_text().splitlines()
+        assert len(lines) == 1 and lines[0].split()[0] == occ and lines[0].split()[1] in ("node1", "node3"), lines
+        entry = kv_json(node1, f"consulrun/b/history/{occ}~after~a")
+        assert entry["after"]["node"] == "node2" and entry["node"] == lines[0].split()[1], entry
+    finally:
+        stop.set()
+        for agent in (node1, node3):
+            try:
+                agent.api("PUT", "kv/consulrun/b/after/wake", data=b"x")  # ends the blocking reads
+            except Exception:  # noqa: BLE001 - a teardown nicety
+                pass
+        for thread in watchers:
+            thread.join(timeout=30)
+
+
+@pytest.mark.systemd
+def test_real_timers_run_the_parent_and_the_watcher_unit_runs_the_child_once_for_each(systemd_container,  # noqa: ANN001
+                                                                                      consul_bin: str,
+                                                                                      tmp_path: Path) -> None:
+    """A booted systemd: `feed` on a 3 s timer, `report` with only `after: [feed]` (no timer; its
+    consulrun-after@report.service installed, enabled and started). Every feed occurrence that ended is
+    followed by one report run for it, through report's own unit, and by no other."""
+    import base64
+    import json
+
+    from tests.test_faults import stop_agent_in
+    from tests.test_install import CONSULRUN, manifest, start_agent
+
+    ctr = systemd_container
+    agent = start_agent(ctr, consul_bin, "chainnode", ["-dev", "-client", "127.0.0.1", "-bind", "127.0.0.1"],
+                        tmp_path / "consul.log")
+    log = ctr.shared / "chain-log"
+    try:
+        jobs = {"feed": {"command": ["sh", "-c", "echo feed $CONSULRUN_OCCURRENCE >> /shared/chain-log"],
+                         "schedule": "*:*:0/3"},
+                "report": {"command": ["sh", "-c", "echo report $CONSULRUN_PARENT_JOB $CONSULRUN_PARENT_OCCURRENCE "
+                                                   "$INVOCATION_ID >> /shared/chain-log"], "after": ["feed"]}}
+        (ctr.shared / "chain.yaml").write_text(manifest(jobs))
+        ctr.exec(CONSULRUN, "install", "/shared/chain.yaml")
+        assert ctr.systemctl("is-active", "consulrun-after@report.service", check=False).stdout.strip() == "active"
+        assert ctr.systemctl("cat", "consulrun-report.timer", check=False).returncode != 0  # no timer for it
+        wait_for(lambda: log.exists() and log.read_text().count("report feed") >= 2, 60, "two chained runs")
+        ctr.systemctl("stop", "consulrun-feed.timer")
+        wait_for(lambda: ctr.systemctl("is-active", "consulrun-feed.service", check=False).stdout.strip()
+                 != "active", 30, "the last feed run to end")
+
+        def settled() -> bool:
+            pending = ctr.exec(consul_bin, "kv", "get", "-recurse", "consulrun/report/after/", check=False).stdout
+            return not pending.strip() and ctr.systemctl("is-active", "consulrun-report.service",
+                                                         check=False).stdout.strip() != "active"
+
+        wait_for(settled, 60, "every request to be consumed")
+        lines = [line.split() for line in log.read_text().splitlines()]
+        fed = [line[1] for line in lines if line[0] == "feed"]
+        reported = [line[2] for line in lines if line[0] == "report"]
+        assert sorted(reported) == sorted(fed) and len(set(reported)) == len(reported), lines
+        assert all(len(line) == 4 for line in lines if line[0] == "report"), lines  # run by systemd: INVOCATION_ID
+        exported = json.loads(ctr.exec(consul_bin, "kv", "export", "consulrun/report/history/").stdout)
+        entries = [json.loads(base64.b64decode(e["value"])) for e in exported]
+        assert sorted(e["after"]["occurrence"] for e in entries) == sorted(fed), entries
+        assert all(e["state"] == "done" and e["after"]["job"] == "feed" for e in entries), entries
+    finally:
+        ctr.systemctl("stop", "consulrun-feed.timer", "consulrun-after@report.service", "consulrun-feed.service",
+                      "consulrun-report.service", check=False)
+        stop_agent_in(ctr, consul_bin, agent)
