@@ -63,6 +63,10 @@ class _RunCommand(click.Command):
 @click.option("--start-deadline", type=Duration((1, DURATION_MAX_MS)), metavar="DURATION",
               help="With --schedule: an occurrence not started this long after its scheduled time (a catch-up after "
                    "a long outage) is recorded missed, not run.")
+@click.option("--each-node", is_flag=True,
+              help="With --schedule: every node runs each occurrence once (its own record under "
+                   "<prefix>/<JOB>/nodes/), at most --concurrency nodes at a time; a node finding every slot held "
+                   "waits for one until its next occurrence is due, then records the occurrence missed for itself.")
 @click.option("--pass-consul-token", is_flag=True,
               help="Leave CONSUL_HTTP_TOKEN, CONSUL_HTTP_TOKEN_FILE and CONSUL_HTTP_AUTH in the job's environment "
                    "(by default the job gets none of them).")
@@ -78,7 +82,7 @@ def run(job: str, command: tuple[str, ...], prefix: str, ttl: int, lock_delay: i
         wait: int, concurrency: int, skip_exit_code: int, schedules: tuple[str, ...], on_holder_loss: str,
         history: int, ping_url: str | None, health_check: bool, pass_consul_token: bool, timeout: int | None,
         skip_when_stopped: bool, node_meta: tuple[str, ...], node_names: tuple[str, ...], attempts: int,
-        retry_backoff: int, retry_max_backoff: int, start_deadline: int | None,
+        retry_backoff: int, retry_max_backoff: int, start_deadline: int | None, each_node: bool,
         **consul: str | None) -> None:
     """Run COMMAND for JOB on this node only if this node gets JOB's Consul lock.
 
@@ -103,4 +107,4 @@ def run(job: str, command: tuple[str, ...], prefix: str, ttl: int, lock_delay: i
           history=history, ping_url=ping_url, health_check=health_check, pass_consul_token=pass_consul_token,
           timeout=timeout, skip_when_stopped=skip_when_stopped, node_meta=node_meta, node_names=node_names,
           attempts=attempts, retry_backoff=retry_backoff, retry_max_backoff=retry_max_backoff,
-          start_deadline=start_deadline, **consul)
+          start_deadline=start_deadline, each_node=each_node, **consul)

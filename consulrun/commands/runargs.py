@@ -100,6 +100,7 @@ OPTIONS: dict[str, tuple[str, Callable[[str], Any] | None, Any, bool, str | None
     "--retry-backoff": ("retry_backoff", _duration((0, DURATION_MAX_MS)), "10s", False, None),
     "--retry-max-backoff": ("retry_max_backoff", _duration((0, DURATION_MAX_MS)), "5min", False, None),
     "--start-deadline": ("start_deadline", _duration((1, DURATION_MAX_MS)), None, False, None),
+    "--each-node": ("each_node", None, False, False, None),
     "--http-addr": ("http_addr", _text, None, False, "CONSUL_HTTP_ADDR"),
     "--token-file": ("token_file", _text, None, False, "CONSUL_HTTP_TOKEN_FILE"),
     "--ca-file": ("ca_file", _text, None, False, "CONSUL_CACERT"),
@@ -190,13 +191,20 @@ def start(job: str, command: tuple[str, ...], prefix: str, ttl: int, lock_delay:
           history: int, ping_url: str | None, health_check: bool, pass_consul_token: bool = False,
           timeout: int | None = None, skip_when_stopped: bool = False, node_meta: tuple[str, ...] = (),
           node_names: tuple[str, ...] = (), attempts: int = 1, retry_backoff: int = 10_000,
-          retry_max_backoff: int = 300_000, start_deadline: int | None = None, **consul: str | None) -> NoReturn:
+          retry_max_backoff: int = 300_000, start_deadline: int | None = None, each_node: bool = False,
+          **consul: str | None) -> NoReturn:
     """Check what the options cannot check alone, then run the job under its lock and exit with its status."""
     problem = None if job == WATCHDOG_JOB else name_problem(job)  # the watchdog's own lock is one to run
     if problem:
         raise UsageError(problem)
-    if schedules and concurrency != 1:
-        raise UsageError("--schedule runs each occurrence once; it cannot be combined with --concurrency")
+    if schedules and concurrency != 1 and not each_node:
+        raise UsageError("--schedule runs each occurrence once; it cannot be combined with --concurrency "
+                         "(unless --each-node: every node once, --concurrency at a time)")
+    if each_node and not schedules:
+        raise UsageError("--each-node runs each scheduled occurrence once on every node: it needs --schedule")
+    if each_node and on_holder_loss == "retry":
+        raise UsageError("--each-node runs this node's own share, which no other node may take over: it needs "
+                         "--on-holder-loss skip")
     for spec_text in schedules:
         problem = schedule_problem(spec_text)
         if problem:
@@ -233,7 +241,8 @@ def start(job: str, command: tuple[str, ...], prefix: str, ttl: int, lock_delay:
                          on_holder_loss=on_holder_loss, history=history, ping_url=ping_url,
                          health_check=health_check, pass_consul_token=pass_consul_token, timeout_ms=timeout,
                          skip_when_stopped=skip_when_stopped, attempts=attempts, retry_backoff_ms=retry_backoff,
-                         retry_max_backoff_ms=retry_max_backoff, start_deadline_ms=start_deadline)
+                         retry_max_backoff_ms=retry_max_backoff, start_deadline_ms=start_deadline,
+                         each_node=each_node)
     sys.exit(run_job(request, consul_config(consul)))
 
 

@@ -74,6 +74,7 @@ class RunRequest:
     retry_backoff_ms: int = 10_000  # before the first retry; doubled for each next one
     retry_max_backoff_ms: int = 300_000
     start_deadline_ms: int | None = None  # an occurrence not started this long after its time is missed, not run
+    each_node: bool = False  # every node runs each occurrence once, spec.concurrency at a time (eachnode.py)
 
 
 class _Signals:
@@ -332,13 +333,21 @@ def _acquire_with_retries(request: RunRequest, locker: Locker) -> tuple[Held | N
             occ = occurrence.current(list(request.schedules), datetime.now(timezone.utc))
             if occ is None:
                 raise UsageError("the schedule has no occurrence at or before now; nothing to run")
+            start_deadline_s = request.start_deadline_ms / 1000 if request.start_deadline_ms else None
+            if request.each_node:
+                from consulrun.protocol import eachnode
+
+                ledger = eachnode.NodeLedger(locker.client, spec.base, locker.node_name(), spec.keys(),
+                                             request.history)
+                held, claim, why = eachnode.acquire(locker, ledger, occ, spec.wait_ms / 1000, start_deadline_s)
+                return held, ledger, claim, why
             ledger = occurrence.Ledger(locker.client, spec.base, request.history,
                                        health_prefix=spec.prefix if request.health_check else None)
             # systemd names the unit that started this one (a path or timer unit); `systemctl start` names none.
             by_timer = os.environ.get("TRIGGER_UNIT", "").endswith(".timer")
             held, claim, why = occurrence.acquire(
                 locker, ledger, occ, request.on_holder_loss, spec.wait_ms / 1000, by_timer=by_timer,
-                start_deadline_s=request.start_deadline_ms / 1000 if request.start_deadline_ms else None)
+                start_deadline_s=start_deadline_s)
             return held, ledger, claim, why
         except ConsulUnavailable as exc:
             why = _not_ready_yet(exc)
