@@ -65,7 +65,7 @@ def judge(status: JobStatus, keys: dict[str, dict[str, Any]], schedules: tuple[s
             state = "abandoned"
         status.nodes.append({"node": node, **{k: record.get(k) for k in NODE_FIELDS}, "state": state,
                              "healthy": True})
-        if record is judged:
+        if record == judged:  # the job's own `last`, judged already
             continue
         what = f"occurrence {record.get('occurrence')} on {node}"
         if state in ("lost", "abandoned"):
