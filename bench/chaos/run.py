@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shlex
 import signal
 import sys
@@ -38,9 +39,11 @@ def parse_job(text: str) -> JobSpec:
         job = JobSpec(name, policy, schedule, float(seconds))
         job.interval_s()
     except (ValueError, TypeError) as exc:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected NAME:skip|retry:SECONDS:ONCALENDAR ({exc})") from None
-    if policy not in ("skip", "retry"):
-        raise argparse.ArgumentTypeError(f"{text!r}: policy must be skip or retry")
+        raise argparse.ArgumentTypeError(f"{text!r}: expected NAME:skip|retry|eachN:SECONDS:ONCALENDAR ({exc})") \
+            from None
+    if policy not in ("skip", "retry") and not re.fullmatch(r"each[1-9][0-9]{0,2}", policy):
+        raise argparse.ArgumentTypeError(f"{text!r}: policy must be skip, retry or eachN (mode: each-node with "
+                                         "lock.concurrency N, e.g. each2)")
     return job
 
 
@@ -117,7 +120,8 @@ def main(argv: list[str] | None = None) -> int:
             "duration_s": args.duration_s, "seed": args.seed, "ttl_s": lock.ttl_s, "lock_delay_s": lock.lock_delay_s,
             "max_delay_s": lock.max_delay_s, "faults": list(args.kinds),
             "jobs": [{"name": j.name, "policy": j.policy, "schedule": j.schedule, "seconds": j.seconds,
-                      "interval_s": j.interval_s(), "condition_holds": condition_holds(j, lock)} for j in args.job]}
+                      "interval_s": j.interval_s(), "condition_holds": condition_holds(j, lock),
+                      **({"each_node": j.each_node} if j.each_node else {})} for j in args.job]}
     interrupted = False
     try:
         _say(f"network {network.net} ({len(network.names)} namespaces), agents in {out / 'agents'}")
