@@ -115,6 +115,8 @@ def test_every_node_runs_the_occurrence_once_never_more_than_n_at_once_and_then_
             assert code == SKIP and f"already ran on this node ({agent.name}, exit status 0)" in err, err
         assert min(deltas) == 0, deltas
     assert len(log.read_text().splitlines()) == 2 * len(cluster.agents)  # nothing ran again
+    code, out, err = finish(consulrun("history", "--json", job, env={"CONSUL_HTTP_ADDR": cluster.server.http_addr}))
+    assert code == 0 and sorted(r["node"] for r in json.loads(out)["runs"]) == sorted(a.name for a in cluster.agents), out + err
     status = finish(consulrun("status", "--json", env={"CONSUL_HTTP_ADDR": cluster.server.http_addr}))
     assert status[0] == 0, status
     rows = next(j for j in json.loads(status[1])["jobs"] if j["job"] == job)["nodes"]
@@ -149,6 +151,11 @@ def test_a_node_killed_mid_run_is_fenced_the_others_still_run_one_at_a_time_and_
         assert "rollkill: node-down: node2 is failing in Consul" in out, out
         assert any(line.startswith("rollkill@node2") and " down " in line for line in out.splitlines()), out
         assert any(line.startswith("rollkill@node3") and " done " in line for line in out.splitlines()), out
+        code, metrics, err = finish(consulrun("exporter", "--textfile", "-",
+                                              env={"CONSUL_HTTP_ADDR": cluster.server.http_addr}))
+        assert 'consulrun_job_node_up{job_name="rollkill",node="node2"} 0.0' in metrics, metrics + err
+        assert 'consulrun_job_node_up{job_name="rollkill",node="node3"} 1.0' in metrics, metrics
+        assert 'consulrun_job_state{job_name="rollkill",state="node-down"} 1.0' in metrics, metrics
     finally:
         if holder.poll() is None:
             holder.kill()
