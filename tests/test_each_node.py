@@ -240,3 +240,22 @@ def test_run_refuses_each_node_without_a_schedule_or_with_retry() -> None:
     code, _, err = finish(consulrun("run", "--each-node", "--schedule", DAILY, "--on-holder-loss", "retry", "roll",
                                     "--", "true"))
     assert code == 2 and "--on-holder-loss skip" in err, err
+
+
+def test_trigger_refuses_an_each_node_job(tmp_path: Path) -> None:
+    path = _manifest(tmp_path, "    mode: each-node\n")
+    code, _, err = finish(consulrun("trigger", str(path), "roll"))
+    assert code == 2 and "each-node job" in err and "no manual runs" in err, err
+
+
+def test_the_watchdog_turns_a_nodes_problem_into_a_critical_check() -> None:
+    from consulrun.report.status import JobStatus
+    from consulrun.report.watchdog import verdict
+
+    last = {"occurrence": "2030-01-01T00:00:00Z", "state": "done", "node": "node3", "exit_status": 0,
+            "started": "2030-01-01T00:00:01Z", "ended": "2030-01-01T00:00:02Z"}
+    job = JobStatus(job="roll", state="free", in_manifest=True, last=last, nodes=[])
+    assert verdict(job)[0] == "passing"
+    job.problem("node-down", "node2 is failing in Consul (serfHealth critical)", node="node2")
+    state, output = verdict(job)
+    assert state == "critical" and "node-down: node2 is failing" in output, output
