@@ -39,9 +39,9 @@ GOLDEN_REWRITTEN = pytest.StashKey[list[str]]()
 
 # Modules whose tests share a module-scoped container, cluster or sshd (test_deb: also one build/ folder): kept on
 # one worker (booted once).
-ONE_WORKER_MODULES = {"test_coldboot", "test_deb", "test_hardening", "test_install", "test_logs",
-                      "test_missed_units", "test_onfailure", "test_placement", "test_remote", "test_systemd_stops",
-                      "test_trigger"}
+ONE_WORKER_MODULES = {"test_coldboot", "test_deb", "test_each_node", "test_each_node_units", "test_hardening",
+                      "test_install", "test_logs", "test_missed_units", "test_onfailure", "test_placement",
+                      "test_remote", "test_systemd_stops", "test_trigger"}
 
 
 def pytest_configure(config: pytest.Config) -> None:

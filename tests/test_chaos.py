@@ -184,6 +184,38 @@ def test_checker_finds_a_chained_run_without_its_parent_s_end_and_one_run_twice(
     assert "chained run without its parent's end" in [v["kind"] for v in report["violations"]]
 
 
+def _each_node(out: Path, history: list[dict], nemesis: list[dict] | None = None, interval_s: float = 60) -> dict:
+    """The checker's report of job "e", `mode: each-node` with lock.concurrency 2 (`--job e:each2:...`)."""
+    _write(out, sorted(history, key=lambda line: line["t"]), nemesis or [])
+    meta = json.loads((out / "run.json").read_text())
+    meta["jobs"].append({"name": "e", "policy": "each2", "schedule": "*:*:00", "seconds": 1, "interval_s": interval_s,
+                         "condition_holds": False, "each_node": 2})
+    (out / "run.json").write_text(json.dumps(meta))
+    return check(out)
+
+
+def test_checker_holds_each_node_to_n_at_once_every_healthy_node_once_and_once_per_node(tmp_path: Path) -> None:
+    fires = _fires("e", 0)
+    rolling = [*_run("e", "c1", 100, OCC[0], 10, T0 + 0.5, 10), *_run("e", "c2", 200, OCC[0], 11, T0 + 0.6, 10),
+               *_run("e", "c3", 300, OCC[0], 12, T0 + 1.7, 10)]  # c3 after c1 ended: two at once at most
+    report = _each_node(tmp_path / "clean", [*fires, *rolling])
+    assert report["violations"] == [] and report["jobs"]["e"]["each_node_condition_holds"] is True
+    crowded = [*rolling[:-12], *_run("e", "c3", 300, OCC[0], 12, T0 + 0.7, 10)]
+    report = _each_node(tmp_path / "crowded", [*fires, *crowded])
+    assert [v["kind"] for v in report["violations"]] == ["more than 2 at once"]
+    assert len(report["violations"][0]["runs"]) == 3
+    missing = rolling[:-12]  # c3 fired, had no fault, and never ran
+    report = _each_node(tmp_path / "missing", [*fires, *missing])
+    assert [(v["kind"], v["node"]) for v in report["violations"]] == [("each-node: a healthy node did not run", "c3")]
+    down = [{"t": T0 + 0.2, "ev": "fault", "id": 1, "kind": "agent-kill", "node": "c3"},
+            {"t": T0 + 30, "ev": "heal", "id": 1, "kind": "agent-kill", "recovered": T0 + 31}]
+    assert _each_node(tmp_path / "down", [*fires, *missing], down)["violations"] == []  # reported, not waited for
+    assert _each_node(tmp_path / "no-room", [*fires, *missing], interval_s=10)["violations"] == []
+    again = [*rolling, *_run("e", "c1", 400, OCC[0], 13, T0 + 3.0, 5)]  # a second holder on c1
+    report = _each_node(tmp_path / "twice", [*fires, *again])
+    assert [(v["kind"], v["node"]) for v in report["violations"]] == [("twice on one node", "c1")]
+
+
 def _our_namespaces(tag: str) -> list[str]:
     listing = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True).stdout
     return [line.split()[0] for line in listing.splitlines() if line.split() and line.split()[0].endswith("-" + tag)]

@@ -94,6 +94,11 @@ CASES = {
     "env-bool": ("jobs:\n  a:\n" + OK_JOB + "    environment: {DEBUG: yes}\n", 5, 26, ["jobs.a.environment.DEBUG", "quote"]),
     "relative-path": ("jobs:\n  a:\n" + OK_JOB + "    working_directory: srv\n", 5, 24, ["absolute path"]),
     "concurrency-zero": ("jobs:\n  a:\n" + OK_JOB + "    lock: {concurrency: 0}\n", 5, 25, ["between 1 and 1000"]),
+    "each-node-after": ("jobs:\n  a:\n" + OK_JOB + "  b:\n    command: [/bin/true]\n    mode: each-node\n"
+                        "    after: [a]\n", 8, 13, ["jobs.b.after[0]", "it is mode: each-node"]),
+    "after-each-node": ("jobs:\n  c:\n    command: [/bin/true]\n    mode: each-node\n    schedule: daily\n"
+                        "  d:\n    command: [/bin/true]\n    after: [c]\n", 8, 13,
+                        ["jobs.d.after[0]", "its parent 'c' is mode: each-node"]),
     "output-without-ping": ("jobs:\n  a:\n" + OK_JOB + "    ping_output_lines: 20\n", 5, 24,
                             ["jobs.a.ping_output_lines", "it needs ping_url"]),
     "default-output-without-ping": ("defaults:\n  ping_output_lines: 20\njobs:\n  a:\n" + OK_JOB, 2, 22,

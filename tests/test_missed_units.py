@@ -43,17 +43,19 @@ JOB = {"command": ["sh", "-c", "echo $CONSULRUN_OCCURRENCE $(hostname) $(env -u 
 
 
 @contextmanager
-def three_agents(consul_bin: str, workdir: Path) -> Iterator[list[Container]]:
-    """Three booted nodes on one bridge, a Consul server on node1 and clients on node2/3; all gone after."""
+def three_agents(consul_bin: str, workdir: Path, subnet: str = "10.213.83.0/24", tag: str = "m",
+                 name: str = "crm") -> Iterator[list[Container]]:
+    """Three booted nodes on one bridge, a Consul server on node1 and clients on node2/3; all gone after. Another
+    module using them passes its own subnet, network tag and container name (modules may run side by side)."""
     require_tool("systemd-nspawn")
     if os.geteuid() != 0:
         pytest.fail("booting systemd containers needs root", pytrace=False)
-    network = Network(3, subnet="10.213.83.0/24", tag="m").up()
+    network = Network(3, subnet=subnet, tag=tag).up()
     nodes: list[Container] = []
     agents = []
     try:
         for index in range(3):
-            ctr = Container(f"crm{index + 1}-{os.getpid() % 10000}", workdir, netns=network.namespace(index),
+            ctr = Container(f"{name}{index + 1}-{os.getpid() % 10000}", workdir, netns=network.namespace(index),
                             binds=container_binds())
             nodes.append(ctr)
             ctr.start()

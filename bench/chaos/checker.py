@@ -192,8 +192,11 @@ class _Job:
             "policy": self.policy, "schedule": spec["schedule"], "interval_s": spec["interval_s"],
             "job_seconds": spec["seconds"], "retry_condition_holds": spec.get("condition_holds"),
             "occurrences": len(self.occurrences), "runs": len(self.runs), "completed": sum(r.ended for r in self.runs)}
-        self._overlaps()
-        self._outcomes()
+        if spec.get("each_node"):
+            self._each_node(int(spec["each_node"]), meta)
+        else:
+            self._overlaps()
+            self._outcomes()
         self.entry["wrapper_exit_statuses"] = dict(sorted(
             Counter(str(e["status"]) for e in self.fires if e["ev"] == "exit").items(), key=lambda kv: int(kv[0])))
         self.entry["timer_busy"] = sum(e["ev"] == "busy" for e in self.fires)
@@ -224,6 +227,64 @@ class _Job:
         self.entry["pause_overlaps_all_rejected_by_token"] = all(
             o["stale_writes_rejected_by_token"] == o["stale_writes"] for o in pause_overlaps)
         self.violations += [{"kind": "overlap", "job": self.name, **item} for item in overlaps]
+
+    def _each_node(self, limit: int, meta: dict[str, Any]) -> None:
+        """`mode: each-node` with lock.concurrency `limit`: never more than `limit` runs at once (a paused run's
+        crowd counted apart, as pause overlaps are), never two holders of one occurrence on one node, and every
+        node that fired for an occurrence and had no fault in its interval ran it, where the schedule leaves room
+        for every node's turn plus one holder's death (`each_node_condition_holds`)."""
+        self._attempts()
+        crowds, pause_crowds, active = [], [], []
+        for run in self.runs:  # sorted by start
+            active = [r for r in active if r.last > run.start] + [run]
+            if len(active) > limit:
+                item = {"at": run.start, "limit": limit, "runs": [_describe(r) for r in active],
+                        "faults": [f.label() for f in active_faults(self.faults, run.start - self.horizon, run.start)],
+                        "evidence": [ln for r in active for ln in r.lines]}
+                (pause_crowds if any(r.paused for r in active) else crowds).append(item)
+        self.entry["each_node"] = limit
+        self.entry["overlaps"], self.entry["pause_overlaps"] = crowds, pause_crowds
+        self.entry["pause_overlaps_all_rejected_by_token"] = True  # slots have tokens of their own: not compared
+        self.violations += [{"kind": f"more than {limit} at once", "job": self.name, **item} for item in crowds]
+        by_node: dict[tuple[str, str], list[Run]] = defaultdict(list)
+        for run in self.runs:
+            by_node[(run.occ, run.node)].append(run)
+        twice = [{"occurrence": occ, "node": node, "runs": [_describe(r) for r in rs],
+                  "evidence": [ln for r in rs for ln in r.lines]}
+                 for (occ, node), rs in by_node.items() if len({r.token for r in rs}) > 1]
+        self.entry["duplicates"] = twice
+        self.violations += [{"kind": "twice on one node", "job": self.name, **item} for item in twice]
+        self.entry["started_more_than_once"] = len(twice)
+        self.entry["completed_more_than_once"] = sum(sum(r.ended for r in rs) > 1 for rs in by_node.values())
+        clients = meta["clients"]
+        worst = (meta.get("max_delay_s", 2.0) + math.ceil(len(clients) / limit) * (self.spec["seconds"] + 1.0)
+                 + 2 * meta["ttl_s"] + meta["lock_delay_s"] + self.spec["seconds"])
+        holds = self.spec["interval_s"] > worst
+        self.entry["each_node_condition_holds"] = holds
+        skipped, excused = [], 0
+        for occ in self.occurrences:
+            t0 = _epoch(occ)
+            window = (t0, t0 + self.spec["interval_s"])
+            fired = sorted({e["node"] for e in self.fires if e["sched"] == occ and e["ev"] == "fire"})
+            for node in fired:
+                if any(r.ended for r in by_node.get((occ, node), [])):
+                    continue
+                sick = [f for f in self.faults if f.start <= window[1] and f.end + RECOVERY_S >= window[0]
+                        and (f.node == node or f.kind not in CLIENT_FAULTS)]
+                holder_deaths = sum(1 for r in self.runs if r.occ == occ and not r.ended)
+                if sick or holder_deaths > 1 or not holds:
+                    excused += 1
+                    continue
+                skipped.append({"occurrence": occ, "node": node,
+                                "wrappers": [{k: e.get(k) for k in ("ev", "status", "last")} for e in self.fires
+                                             if e["sched"] == occ and e.get("node") == node and e["ev"] == "exit"]})
+        self.entry["healthy_node_not_run"] = skipped
+        self.entry["not_run_with_faults_or_no_room"] = excused
+        self.entry["never_started"] = sum(1 for occ in self.occurrences if occ not in self.by_occ)
+        self.entry["lost_with_healthy_node"] = skipped
+        self.entry["lost_after_repeated_holder_deaths"] = []
+        self.violations += [{"kind": "each-node: a healthy node did not run", "job": self.name, **item}
+                            for item in skipped]
 
     def _outcomes(self) -> None:
         by_occ = self.by_occ

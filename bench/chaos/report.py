@@ -24,6 +24,9 @@ def markdown(report: dict[str, Any]) -> str:
             lost = len(e["lost_with_healthy_node"])
             if e["lost_after_repeated_holder_deaths"]:
                 lost = f"{lost} (+{len(e['lost_after_repeated_holder_deaths'])} after 2+ holder deaths)"
+        if e.get("each_node"):
+            lost = f"{len(e['healthy_node_not_run'])} healthy node(s) not run" + \
+                ("" if e.get("each_node_condition_holds") else " (no room for every node: not judged)")
         if e["policy"] == "retry" and not e.get("retry_condition_holds"):
             lost = f"{lost} (condition does not hold)"
         statuses = ", ".join(f"{k}: {v}" for k, v in e["wrapper_exit_statuses"].items())

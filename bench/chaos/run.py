@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shlex
 import signal
 import sys
@@ -39,10 +40,11 @@ def parse_job(text: str) -> JobSpec:
         job = JobSpec(name, policy, "" if after else schedule, float(seconds), after=after)
         job.interval_s()
     except (ValueError, TypeError) as exc:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected NAME:skip|retry:SECONDS:ONCALENDAR, or "
+        raise argparse.ArgumentTypeError(f"{text!r}: expected NAME:skip|retry|eachN:SECONDS:ONCALENDAR, or "
                                          f"NAME:skip|retry:SECONDS:after=PARENT ({exc})") from None
-    if policy not in ("skip", "retry"):
-        raise argparse.ArgumentTypeError(f"{text!r}: policy must be skip or retry")
+    if policy not in ("skip", "retry") and not re.fullmatch(r"each[1-9][0-9]{0,2}", policy):
+        raise argparse.ArgumentTypeError(f"{text!r}: policy must be skip, retry or eachN (mode: each-node with "
+                                         "lock.concurrency N, e.g. each2)")
     return job
 
 
@@ -125,7 +127,8 @@ def main(argv: list[str] | None = None) -> int:
             "max_delay_s": lock.max_delay_s, "faults": list(args.kinds),
             "jobs": [{"name": j.name, "policy": j.policy, "schedule": j.schedule, "seconds": j.seconds,
                       "interval_s": j.interval_s(), "condition_holds": condition_holds(j, lock),
-                      **({"after": [{"job": j.after, "on": "success"}]} if j.after else {})} for j in args.job]}
+                      **({"after": [{"job": j.after, "on": "success"}]} if j.after else {}),
+                      **({"each_node": j.each_node} if j.each_node else {})} for j in args.job]}
     interrupted = False
     try:
         _say(f"network {network.net} ({len(network.names)} namespaces), agents in {out / 'agents'}")

@@ -33,10 +33,15 @@ FAKETIME_LIB = "/usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1"
 @dataclass(frozen=True)
 class JobSpec:
     name: str
-    policy: str  # skip | retry
+    policy: str  # skip | retry | eachN (mode: each-node, lock.concurrency N, on_holder_loss skip)
     schedule: str  # OnCalendar= spec ("" for a job that only runs after another)
     seconds: float  # how long the job runs
     after: str = ""  # the job this one runs after (on: success), started by an emulated chain-watch
+
+    @property
+    def each_node(self) -> int:
+        """N of an `eachN` job (every node once, N at a time); 0 for a once-per-cluster job."""
+        return int(self.policy[4:]) if self.policy.startswith("each") else 0
 
     def interval_s(self) -> float:
         if not self.schedule:
@@ -201,7 +206,9 @@ class Fleet:
         when = ["--after", job.after] if job.after else ["--schedule", job.schedule]
         then = [arg for child in self.jobs if child.after == job.name for arg in ("--then", f"{child.name}:success")]
         return ["ip", "netns", "exec", str(agent.netns), sys.executable, "-m", "consulrun", "run",
-                "--prefix", self.lock.prefix, *when, *then, "--on-holder-loss", job.policy,
+                "--prefix", self.lock.prefix, *when, *then,
+                *(["--each-node", "--concurrency", str(job.each_node), "--on-holder-loss", "skip"] if job.each_node
+                  else ["--on-holder-loss", job.policy]),
                 "--ttl", f"{self.lock.ttl_s}s", "--lock-delay", f"{self.lock.lock_delay_s}s", job.name, "--",
                 "/usr/bin/env", "-u", "LD_PRELOAD", "-u", "FAKETIME",
                 sys.executable, "-S", str(JOB_SCRIPT), str(self.history.path), job.name, agent.name, str(job.seconds)]

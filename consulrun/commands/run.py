@@ -73,6 +73,10 @@ class _RunCommand(click.Command):
 @click.option("--then", "then", multiple=True, metavar="JOB:ON",
               help="When this job's occurrence ends as ON says (success, failure or always), ask for one run of JOB "
                    "after it, in the transaction that records the result (repeatable).")
+@click.option("--each-node", is_flag=True,
+              help="With --schedule: every node runs each occurrence once (its own record under "
+                   "<prefix>/<JOB>/nodes/), at most --concurrency nodes at a time; a node finding every slot held "
+                   "waits for one until its next occurrence is due, then records the occurrence missed for itself.")
 @click.option("--pass-consul-token", is_flag=True,
               help="Leave CONSUL_HTTP_TOKEN, CONSUL_HTTP_TOKEN_FILE and CONSUL_HTTP_AUTH in the job's environment "
                    "(by default the job gets none of them).")
@@ -89,7 +93,7 @@ def run(job: str, command: tuple[str, ...], prefix: str, ttl: int, lock_delay: i
         history: int, ping_url: str | None, health_check: bool, pass_consul_token: bool, timeout: int | None,
         skip_when_stopped: bool, node_meta: tuple[str, ...], node_names: tuple[str, ...], attempts: int,
         retry_backoff: int, retry_max_backoff: int, start_deadline: int | None, ping_output_lines: int | None,
-        after: tuple[str, ...], then: tuple[str, ...], **consul: str | None) -> None:
+        after: tuple[str, ...], then: tuple[str, ...], each_node: bool, **consul: str | None) -> None:
     """Run COMMAND for JOB on this node only if this node gets JOB's Consul lock.
 
     \b
@@ -115,4 +119,5 @@ def run(job: str, command: tuple[str, ...], prefix: str, ttl: int, lock_delay: i
           history=history, ping_url=ping_url, health_check=health_check, pass_consul_token=pass_consul_token,
           timeout=timeout, skip_when_stopped=skip_when_stopped, node_meta=node_meta, node_names=node_names,
           attempts=attempts, retry_backoff=retry_backoff, retry_max_backoff=retry_max_backoff,
-          start_deadline=start_deadline, ping_output_lines=ping_output_lines, after=after, then=then, **consul)
+          start_deadline=start_deadline, ping_output_lines=ping_output_lines, after=after, then=then,
+          each_node=each_node, **consul)

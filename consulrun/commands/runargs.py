@@ -103,6 +103,7 @@ OPTIONS: dict[str, tuple[str, Callable[[str], Any] | None, Any, bool, str | None
     "--start-deadline": ("start_deadline", _duration((1, DURATION_MAX_MS)), None, False, None),
     "--after": ("after", _text, (), True, None),
     "--then": ("then", _text, (), True, None),
+    "--each-node": ("each_node", None, False, False, None),
     "--http-addr": ("http_addr", _text, None, False, "CONSUL_HTTP_ADDR"),
     "--token-file": ("token_file", _text, None, False, "CONSUL_HTTP_TOKEN_FILE"),
     "--ca-file": ("ca_file", _text, None, False, "CONSUL_CACERT"),
@@ -194,18 +195,27 @@ def start(job: str, command: tuple[str, ...], prefix: str, ttl: int, lock_delay:
           timeout: int | None = None, skip_when_stopped: bool = False, node_meta: tuple[str, ...] = (),
           node_names: tuple[str, ...] = (), attempts: int = 1, retry_backoff: int = 10_000,
           retry_max_backoff: int = 300_000, start_deadline: int | None = None, ping_output_lines: int | None = None,
-          after: tuple[str, ...] = (), then: tuple[str, ...] = (), **consul: str | None) -> NoReturn:
+          after: tuple[str, ...] = (), then: tuple[str, ...] = (), each_node: bool = False,
+          **consul: str | None) -> NoReturn:
     """Check what the options cannot check alone, then run the job under its lock and exit with its status."""
     problem = None if job == WATCHDOG_JOB else name_problem(job)  # the watchdog's own lock is one to run
     if problem:
         raise UsageError(problem)
-    if schedules and concurrency != 1:
-        raise UsageError("--schedule runs each occurrence once; it cannot be combined with --concurrency")
+    if schedules and concurrency != 1 and not each_node:
+        raise UsageError("--schedule runs each occurrence once; it cannot be combined with --concurrency "
+                         "(unless --each-node: every node once, --concurrency at a time)")
+    if each_node and not schedules:
+        raise UsageError("--each-node runs each scheduled occurrence once on every node: it needs --schedule")
+    if each_node and on_holder_loss == "retry":
+        raise UsageError("--each-node runs this node's own share, which no other node may take over: it needs "
+                         "--on-holder-loss skip")
     for spec_text in schedules:
         problem = schedule_problem(spec_text)
         if problem:
             raise UsageError(f"--schedule: {problem}")
     thens = _chain_options(job, after, then, concurrency)
+    if each_node and (after or then):
+        raise UsageError("--each-node runs an occurrence on every node: a chain (--after, --then) joins one run to one")
     if attempts > 1 and not (schedules or after):
         raise UsageError("--attempts retries a scheduled occurrence: it needs --schedule (or --after)")
     if start_deadline is not None and not (schedules or after):
@@ -241,7 +251,8 @@ def start(job: str, command: tuple[str, ...], prefix: str, ttl: int, lock_delay:
                          health_check=health_check, pass_consul_token=pass_consul_token, timeout_ms=timeout,
                          skip_when_stopped=skip_when_stopped, attempts=attempts, retry_backoff_ms=retry_backoff,
                          retry_max_backoff_ms=retry_max_backoff, start_deadline_ms=start_deadline,
-                         ping_output_lines=ping_output_lines or 0, after=after, thens=thens)
+                         ping_output_lines=ping_output_lines or 0, after=after, thens=thens,
+                         each_node=each_node)
     sys.exit(run_job(request, consul_config(consul)))
 
 

@@ -31,6 +31,9 @@ def trigger(targets: tuple[str, ...], wait_ms: int, unit: str | None, host: str 
     if len(jobs) != 1:
         raise UsageError("trigger takes one JOB, after an optional MANIFEST")
     job = jobs[0]
+    if loaded and any(j.name == job and j.mode == "each-node" for j in loaded.jobs):
+        raise UsageError(f"{job} is an each-node job: every node runs each occurrence once, and it has no manual "
+                         "runs (a node's unit started by hand skips an occurrence it has run)")
     unit = unit or f"{loaded.unit_prefix if loaded else 'consulrun'}-{job}.service"
     kv_prefix = (prefix if prefix is not None else (loaded.kv_prefix if loaded else "consulrun")).strip("/")
     if host:

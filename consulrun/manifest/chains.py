@@ -63,7 +63,10 @@ def check(jobs: dict[str, Any], defaults: dict[str, Any], add: Callable[[tuple[A
             else:
                 graph.setdefault(name, []).append((parent, where))
                 for who, label in ((name, "it"), (parent, f"its parent {parent!r}")):
-                    if _concurrency(jobs.get(who), defaults) > 1:
+                    if isinstance(jobs.get(who), dict) and jobs[who].get("mode") == "each-node":
+                        add(where, f"{label} is mode: each-node, whose occurrence is run by every node: a chain "
+                                   "joins one run to one run")
+                    elif _concurrency(jobs.get(who), defaults) > 1:
                         add(where, f"{label} runs with lock.concurrency above 1: its runs are no occurrences, and a "
                                    "chain joins occurrences (it needs lock.concurrency: 1)")
             seen.add(parent)

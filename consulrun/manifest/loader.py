@@ -97,6 +97,7 @@ class Job:
     start_deadline_ms: int | None = None  # an occurrence not started this long after its time is missed, not run
     retries: RetrySettings = RetrySettings()
     after: tuple[tuple[str, str], ...] = ()  # (parent job, on): run once per parent occurrence ended so (chains.py)
+    mode: str = "once"  # each-node: every node runs each occurrence once, lock.concurrency at a time
 
 
 @dataclass(frozen=True)
@@ -356,6 +357,7 @@ def _semantic_checks(problems: _Problems, data: dict[str, Any]) -> None:
     _check_retries(problems, defaults, jobs)
     _check_start_deadline(problems, defaults, jobs)
     chains.check(jobs, defaults, problems.add)
+    _check_each_node(problems, defaults, jobs)
     for path, block in timer_blocks:
         _check_settings(problems, block, path, "timer")
         if isinstance(block, dict):
@@ -388,7 +390,7 @@ def _check_retries(problems: _Problems, defaults: dict[str, Any], jobs: dict[str
         concurrency = {**(defaults.get("lock") or {}), **(job.get("lock") or {})}.get("concurrency", 1) \
             if isinstance(job.get("lock", {}), dict) and isinstance(defaults.get("lock", {}), dict) else 1
         if isinstance(merged.get("attempts"), int) and merged["attempts"] > 1 and isinstance(concurrency, int) \
-                and concurrency > 1:
+                and concurrency > 1 and job.get("mode") != "each-node":  # each-node: a node retries its own share
             problems.add(where + ("attempts",) if "attempts" in (block or base) else where,
                          "retries are of one occurrence, run by one holder: they need lock.concurrency: 1")
 
@@ -400,7 +402,7 @@ def _check_start_deadline(problems: _Problems, defaults: dict[str, Any], jobs: d
             continue
         locks = [block for block in (defaults.get("lock"), job.get("lock")) if isinstance(block, dict)]
         concurrency = {k: v for block in locks for k, v in block.items()}.get("concurrency", 1)
-        if isinstance(concurrency, int) and concurrency > 1:
+        if isinstance(concurrency, int) and concurrency > 1 and job.get("mode") != "each-node":
             where = ("jobs", name, "start_deadline") if "start_deadline" in job else ("defaults", "start_deadline")
             problems.add(where, "a start deadline is of a scheduled occurrence, run by one holder: it needs "
                                 "lock.concurrency: 1")
@@ -413,6 +415,24 @@ def _check_start_deadline(problems: _Problems, defaults: dict[str, Any], jobs: d
                 problems.add(("defaults", "ping_output_lines"),
                              f"sends the output with the final ping, and job {name!r} has no ping_url")
                 break
+
+
+def _check_each_node(problems: _Problems, defaults: dict[str, Any], jobs: dict[str, Any]) -> None:
+    """`mode: each-node` runs a node's own share of each occurrence: no other node may take it over (so no
+    `on_holder_loss: retry`), and a node waits for a slot until its next occurrence is due (so no `lock.wait`)."""
+    for name, job in jobs.items():
+        if not isinstance(job, dict) or job.get("mode") != "each-node":
+            continue
+        policy = job.get("on_holder_loss", defaults.get("on_holder_loss", "skip"))
+        if policy == "retry":
+            where = ("jobs", name, "on_holder_loss") if "on_holder_loss" in job else ("jobs", name, "mode")
+            problems.add(where, "mode: each-node runs each node's own share of an occurrence, which no other node "
+                                "may take over: it needs on_holder_loss: skip (a lost run is recorded lost for that "
+                                "node; retries: reruns a failed one on the same node)"
+                         + ("" if "on_holder_loss" in job else " (defaults.on_holder_loss is retry)"))
+        if isinstance(job.get("lock"), dict) and "wait" in job["lock"]:
+            problems.add(("jobs", name, "lock", "wait"), "mode: each-node waits for a free slot until the node's "
+                                                         "next occurrence is due: lock.wait has no meaning here")
 
 
 def _retries(raw: dict[str, Any]) -> RetrySettings:
@@ -491,6 +511,7 @@ def _build(source: str, data: dict[str, Any], problems: _Problems) -> Manifest:
             (_ms(defaults["start_deadline"]) if "start_deadline" in defaults else None),
             retries=_retries({**defaults.get("retries", {}), **raw.get("retries", {})}),
             after=chains.parents(raw),
+            mode=raw.get("mode", "once"),
         ))
     return Manifest(
         source=source,

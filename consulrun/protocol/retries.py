@@ -109,7 +109,7 @@ def record_failed_attempt(locker: Locker, ledger: Ledger, held: Held, claim: dic
               "state": "done", "retried": True, "retry_after_s": backoff_s}
     nxt = {**claim, "attempt": int(claim.get("attempt") or 1) + 1, "takeover": False, "retry_at": retry_at,
            "earlier": [*claim.get("earlier", []), failed]}
-    check = kv_op("check-session", ledger.lock_key, Session=held.session)
+    check = kv_op("check-session", held.key, Session=held.session)  # the key held: `lock`, or each-node's slot
     if claim.get("manual") or claim.get("after"):
         ops = [kv_op("set", ledger.manual_key(claim), nxt), check]
     else:

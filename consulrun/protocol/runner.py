@@ -77,6 +77,7 @@ class RunRequest:
     start_deadline_ms: int | None = None  # an occurrence not started this long after its time is missed, not run
     after: tuple[str, ...] = ()  # the jobs this one runs after: a pending chained run comes first (chain.py)
     thens: tuple[tuple[str, str], ...] = ()  # (job, on) of the jobs chained after this one
+    each_node: bool = False  # every node runs each occurrence once, spec.concurrency at a time (eachnode.py)
 
 
 class _Signals:
@@ -348,10 +349,18 @@ def _acquire_with_retries(request: RunRequest, locker: Locker) -> tuple[Held | N
             occ = occurrence.current(list(request.schedules), datetime.now(timezone.utc))
             if occ is None:
                 raise UsageError("the schedule has no occurrence at or before now; nothing to run")
+            start_deadline_s = request.start_deadline_ms / 1000 if request.start_deadline_ms else None
+            if request.each_node:
+                from consulrun.protocol import eachnode
+
+                ledger = eachnode.NodeLedger(locker.client, spec.base, locker.node_name(), spec.keys(),
+                                             request.history)
+                held, claim, why = eachnode.acquire(locker, ledger, occ, spec.wait_ms / 1000, start_deadline_s)
+                return held, ledger, claim, why
             ledger = _ledger(request, locker)
             held, claim, why = occurrence.acquire(
                 locker, ledger, occ, request.on_holder_loss, spec.wait_ms / 1000, by_timer=by_timer,
-                start_deadline_s=request.start_deadline_ms / 1000 if request.start_deadline_ms else None)
+                start_deadline_s=start_deadline_s)
             return held, ledger, claim, why
         except ConsulUnavailable as exc:
             why = _not_ready_yet(exc)

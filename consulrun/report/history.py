@@ -94,18 +94,23 @@ def newest_first(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def rows_of(keys: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
-    """Every run the keys of one job (key below `<prefix>/<job>/` -> KV entry) record, newest first."""
-    records: dict[str, dict[str, Any]] = {}
+    """Every run the keys of one job (key below `<prefix>/<job>/` -> KV entry) record, newest first; an each-node
+    job's records are each node's own (`nodes/<node>/occurrence`, `nodes/<node>/history/<occurrence>`)."""
+    records: dict[tuple[str, str], dict[str, Any]] = {}
+    current: dict[str, dict[str, Any]] = {}
     for key, entry in sorted(keys.items()):
-        if key.startswith("history/"):
+        owner, rest = _owner(key)
+        if rest.startswith("history/"):
             value = decoded(entry)
             if value.get("after") and not value.get("occurrence"):  # a chained run: its own id (chain.py)
                 value = {**value, "occurrence": value.get("run") or key[len("history/"):]}
             if value:
-                records[str(value.get("occurrence") or key[len("history/"):])] = value
-    current = decoded(keys.get("occurrence"))
-    if current.get("occurrence"):
-        records[str(current["occurrence"])] = current  # newer than its history entry while it runs
+                records[(owner, str(value.get("occurrence") or rest[len("history/"):]))] = value
+        elif rest == "occurrence":
+            current[owner] = decoded(entry)
+    for owner, record in current.items():
+        if record.get("occurrence"):
+            records[(owner, str(record["occurrence"]))] = record  # newer than its history entry while it runs
     rows = [row for record in records.values() for row in _attempts(record)]
     sessions = {r.get("session") for record in records.values() for r in [record, *(record.get("earlier") or [])]
                 if isinstance(r, dict)}
@@ -122,6 +127,14 @@ def rows_of(keys: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
             else:  # a holder's value that no session holds: its runner died, nobody recorded its end (status agrees)
                 rows.append(_row(value, manual=True, state="abandoned", reason=ABANDONED_UNRECORDED))
     return newest_first(rows)
+
+
+def _owner(key: str) -> tuple[str, str]:
+    """("", key) for a job's own key; (node segment, the rest) for one under an each-node job's `nodes/<node>/`."""
+    parts = key.split("/", 2)
+    if len(parts) == 3 and parts[0] == "nodes":
+        return parts[1], parts[2]
+    return "", key
 
 
 def table(rows: list[dict[str, Any]], now: datetime) -> list[list[str]]:

@@ -43,7 +43,8 @@ log = logging.getLogger("consulrun")
 # Schedule lag spans timer accuracy (1s..1min), randomized delays and takeovers (lock-delay + TTLs): 0.1s to 1h.
 LAG_BUCKETS = (0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120, 300, 600, 1800, 3600)
 # `state` label values: the lock being held, and every problem `consulrun status` can report.
-STATES = ("held", "unhealthy", "missed", "future", "skew", "unplaced", "overdue", "failed", "lost", "abandoned")
+STATES = ("held", "unhealthy", "missed", "future", "skew", "unplaced", "node-down", "overdue", "failed", "lost",
+          "abandoned")
 OUTCOMES = {"lost": "lost", "abandoned": "abandoned", "missed": "missed"}
 REFRESH_S = 15.0  # a blocking query returns at least this often, so missed/overdue follow the clock
 MAX_BACKOFF_S = 30.0
@@ -176,8 +177,24 @@ class ClusterMetrics:
                                         "`consulrun status` verdict for the job, as its exit status: 0 ok, 1 last "
                                         "run failed/lost/abandoned, 3 missed, 4 overdue, 5 holder unhealthy.",
                                         labels=["job_name"]),
+            # mode: each-node: a node's own latest occurrence, from the rows `status` lists (no extra read).
+            "node_end": GaugeMetricFamily("consulrun_job_node_last_end_timestamp_seconds",
+                                          "Each-node job: end of the node's last finished run.",
+                                          labels=["job_name", "node"]),
+            "node_exit": GaugeMetricFamily("consulrun_job_node_last_exit_status",
+                                           "Each-node job: exit status of the node's last finished run.",
+                                           labels=["job_name", "node"]),
+            "node_up": GaugeMetricFamily("consulrun_job_node_up",
+                                         "Each-node job: 0 if the node is failing in Consul (node-down), else 1.",
+                                         labels=["job_name", "node"]),
         }
         for s in self._statuses:
+            for row in s.nodes or []:
+                labels = [s.job, str(row["node"])]
+                families["node_up"].add_metric(labels, 1.0 if row["healthy"] else 0.0)
+                for name, value in (("node_end", _ts(row.get("ended"))), ("node_exit", row.get("exit_status"))):
+                    if isinstance(value, (int, float)) and not isinstance(value, bool):
+                        families[name].add_metric(labels, float(value))
             last = s.last or {}
             values = {"start": _ts(last.get("started")), "end": _ts(last.get("ended")),
                       "duration": last.get("duration_s"), "exit": last.get("exit_status"),

@@ -30,6 +30,7 @@ from consulrun.protocol.health import LAST_FIELDS
 from consulrun.protocol.occurrence import future_limit, future_text
 from consulrun.protocol.pause import EPISODES, in_force as pause_in_force, since as pause_skips, value_of as pause_value_of
 from consulrun.protocol.turns import TURN_MAX_S
+from consulrun.report import eachnode
 from consulrun.timefmt import parse_time, seconds_between
 
 if TYPE_CHECKING:  # `run` (the health check of its finish) must not pay for the manifest validator
@@ -62,7 +63,8 @@ PROBLEM_HEALTH = {"unhealthy": Health.HOLDER_UNHEALTHY, "missed": Health.MISSED,
                   "overdue": Health.OVERDUE,
                   "failed": Health.LAST_RUN_FAILED, "lost": Health.LAST_RUN_FAILED,
                   "abandoned": Health.LAST_RUN_FAILED,
-                  "unplaced": Health.MISSED}  # no healthy node may run it: its occurrences run nowhere
+                  "unplaced": Health.MISSED,  # no healthy node may run it: its occurrences run nowhere
+                  "node-down": Health.MISSED}  # an each-node job's node is down: its share runs nowhere
 
 
 class NoState(ConsulrunError):
@@ -86,6 +88,7 @@ class JobStatus:
     problems: list[dict[str, Any]] = field(default_factory=list)
     paused: dict[str, Any] | None = None  # the pause in force: by, at, reason, until
     skipped: list[dict[str, Any]] = field(default_factory=list)  # occurrences skipped while paused, since the last
+    nodes: list[dict[str, Any]] | None = None  # mode: each-node: each node's latest occurrence (report/eachnode.py)
 
     def health(self) -> Health:
         kinds = {PROBLEM_HEALTH[p["kind"]] for p in self.problems}
@@ -327,7 +330,8 @@ def judge_job(name: str, keys: dict[str, dict[str, Any]], manifest: Manifest | N
     for holder in status.holders:
         if not holder["healthy"]:
             status.problem("unhealthy", f"held by {holder['node']} (session {holder['session']}): {holder['health']}")
-    record = _record_of(keys)
+    each_node = getattr(job, "mode", None) == "each-node" or any(key.startswith("nodes/") for key in keys)
+    record = eachnode.newest(eachnode.node_records(keys)) if each_node else _record_of(keys)
     if record:
         status.last = {k: record.get(k) for k in (*LAST_FIELDS, "retry_at")}
         if isinstance(record.get("after"), dict):  # the parent run it ran after (chain.py)
@@ -354,6 +358,8 @@ def judge_job(name: str, keys: dict[str, dict[str, Any]], manifest: Manifest | N
         if lead and not any(p["kind"] == "future" for p in status.problems):  # beyond the allowed skew: said
             status.problem("skew", clockskew.note(record, lead), node=clockskew.writer(record), ahead_s=round(lead, 1),
                            occurrence=record.get("occurrence"))
+    if each_node:
+        eachnode.judge(status, keys, expect.schedules if expect else (), expect.lag_s if expect else None, now, record)
     _clock_findings(status, keys, now)
     _recorded_misses(status, keys, record, now)
     _overdue_holders(status, expect, now)
@@ -421,6 +427,9 @@ def collect(client: Client, prefix: str, manifest: Manifest | None, *, only: tup
         if name not in found and found:
             probe(client, f"{base}{name}/lock")  # listing hides per-key denials from nobody but us: ask directly
         statuses.append(judge_job(name, found.get(name, {}), manifest, judge, now, grace_s))
+        if statuses[-1].nodes is not None:
+            eachnode.down_nodes(client, statuses[-1], next((j for j in manifest.jobs if j.name == name), None)
+                                if manifest else None)
     _unplaced(client, manifest, statuses)
     unknown = [s.job for s in statuses if s.state == "unknown"]
     if unknown:
@@ -473,7 +482,7 @@ def as_json(prefix: str, statuses: list[JobStatus], health: Health, now: datetim
     return {"prefix": prefix, "verdict": health.name.lower(), "checked_at": iso(now), "jobs": [
         {"job": s.job, "state": s.state, "in_manifest": s.in_manifest, "verdict": s.health().name.lower(),
          "problems": s.problems, "holders": s.holders, "last": s.last, "next": s.next, "paused": s.paused,
-         "skipped": s.skipped}
+         "skipped": s.skipped, **({"nodes": s.nodes} if s.nodes is not None else {})}
         for s in statuses]}
 
 
@@ -514,6 +523,11 @@ def table(statuses: list[JobStatus], now: datetime) -> list[list[str]]:
                      holder.get("node") or "-", cell(holder.get("since"), now),
                      holder.get("health", "-") if holder else "-", cell(last.get("occurrence"), now), result or "-",
                      cell(s.next, now)])
+        for node in s.nodes or []:  # each-node: a row per node, its own latest occurrence
+            code = f"exit {node['exit_status']}" if node.get("exit_status") is not None and node["state"] == "done" \
+                else node["state"] or "-"
+            rows.append([f"{s.job}@{node['node']}", "down" if not node["healthy"] else (node["state"] or "-"), "-",
+                         "-", "-", cell(node.get("occurrence"), now), code, "-"])
     return rows
 
 

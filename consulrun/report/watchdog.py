@@ -48,7 +48,9 @@ def _clock_text(problem: dict[str, Any]) -> str:
 def verdict(job: state.JobStatus) -> tuple[str, str] | None:
     """What the watchdog wants `job`'s check to say; None when a healthy run is under way (keep the check)."""
     status, output = summary(job.last)
-    clock = [p for p in job.problems if p["kind"] in CLOCK_PROBLEMS]
+    # An each-node job's runs write no check (one check cannot hold every node's result): the watchdog says a
+    # node's failed, lost or missed run and a node that is down (status names the node in each such problem).
+    clock = [p for p in job.problems if p["kind"] in CLOCK_PROBLEMS or (job.nodes is not None and p.get("node"))]
     lines = [_clock_text(p) for p in clock]
     if clock:
         status = CRITICAL

@@ -22,6 +22,7 @@ from consulrun.protocol.fencing import stop_timeout_ms
 from consulrun.units import chains
 from consulrun.units.guarantees import start_timeout_ms
 from consulrun.units.owner import GENERATED_MARKER, OWNER_MARKER, claimed_by_another, owner, owner_of
+from consulrun.units.runline import WATCHDOG_JOB, run_argv  # noqa: F401 - run_argv: render's callers use it here
 
 HEADER = (f"{GENERATED_MARKER} from a job manifest. Do not edit: change the manifest and run\n"
           "# `consulrun generate` (or `consulrun install`) again.")
@@ -78,41 +79,8 @@ def on_failure_argv(manifest: Manifest, job: Job, consulrun_path: str) -> list[s
             job.name, "--", *job.on_failure]
 
 
-def run_argv(manifest: Manifest, job: Job, consulrun_path: str) -> list[str]:
-    """The `consulrun run` command line a unit's ExecStart= carries for `job`."""
-    lock = job.lock
-    argv = [consulrun_path, "run", "--prefix", manifest.kv_prefix,
-            "--ttl", format_duration(lock.ttl_ms), "--lock-delay", format_duration(lock.lock_delay_ms),
-            "--wait", format_duration(lock.wait_ms), "--concurrency", str(lock.concurrency),
-            "--skip-exit-code", str(lock.skip_exit_code)]
-    for check in lock.checks:
-        argv += ["--check", check]
-    if lock.concurrency == 1:  # one run per occurrence; with several holders the timer's firing is the unit
-        for spec in job.schedules:
-            argv += ["--schedule", spec]
-        argv += ["--on-holder-loss", job.on_holder_loss, "--history", str(job.history)]
-        if job.retries.attempts > 1:
-            argv += ["--attempts", str(job.retries.attempts), "--retry-backoff",
-                     format_duration(job.retries.backoff_ms), "--retry-max-backoff",
-                     format_duration(job.retries.max_backoff_ms)]
-        argv += ["--start-deadline", format_duration(job.start_deadline_ms)] if job.start_deadline_ms else []
-        argv += chains.run_args(manifest, job)
-    if job.ping_url:
-        argv += ["--ping-url", job.ping_url]
-        argv += ["--ping-output-lines", str(job.ping_output_lines)] if job.ping_output_lines else []
-    if manifest.health_checks and job.name != WATCHDOG_JOB:
-        argv += ["--health-check"]
-    if job.pass_consul_token:
-        argv += ["--pass-consul-token"]
-    if job.timeout_ms:
-        argv += ["--timeout", format_duration(job.timeout_ms)]
-    if job.placement:
-        argv += job.placement.argv()
-    argv += ["--skip-when-stopped"]  # a standby stopped is no failure: it ran nothing (no OnFailure=)
-    return argv + [job.name, "--", *job.command]
 
 
-WATCHDOG_JOB = "_watchdog"  # consulrun.protocol.health.WATCHDOG_JOB: a name no manifest job can have
 WATCHDOG_JOBS_SUFFIX = ".jobs"
 OWNED_SUFFIXES = (".service", ".timer", WATCHDOG_JOBS_SUFFIX)  # what generate and install replace and remove
 
