@@ -121,14 +121,16 @@ def _until(condition: Callable[[], object], nemesis: "Nemesis", timeout: float =
     return None
 
 
-def _transfer_leadership(nemesis: "Nemesis", leader: "Agent") -> str | None:
-    """Ask the leader to hand over; the new leader's name once another server leads (None: it did not)."""
+def _transfer_leadership(nemesis: "Nemesis", leader: "Agent") -> tuple[str | None, float | None]:
+    """Ask the leader to hand over: the new leader's name and how long until it led (None: it did not)."""
+    asked = time.time()
     subprocess.run([nemesis.cluster.binary, "operator", "raft", "transfer-leader", "-http-addr", leader.http_addr],
                    capture_output=True, text=True, timeout=60, check=False)
-    if _until(lambda: cluster_leader_other_than(nemesis, leader), nemesis, timeout=30) is None:
-        return None
+    led = _until(lambda: cluster_leader_other_than(nemesis, leader), nemesis, timeout=30)
+    if led is None:
+        return None, None
     new = nemesis.cluster.leader()
-    return new.name if new else None
+    return (new.name if new else None), round(led - asked, 3)
 
 
 def cluster_leader_other_than(nemesis: "Nemesis", server: "Agent") -> bool:
@@ -148,12 +150,12 @@ def rolling_restart(nemesis: "Nemesis") -> None:
         if nemesis.stop_event.is_set():
             return
         was_leader = cluster.leader() is server
-        transferred = None
+        transferred, transfer_s = None, None
         if was_leader and transfer:
-            transferred = _transfer_leadership(nemesis, server)
+            transferred, transfer_s = _transfer_leadership(nemesis, server)
         nemesis._start("rolling-restart", lambda s=server: cluster.restart(s), node=server.name, step=step,
                        of=len(order), round=round_id, was_leader=was_leader, transfer=was_leader and transfer,
-                       transferred_to=transferred)
+                       transferred_to=transferred, transfer_s=transfer_s)
         fault_id = nemesis.counter
         stopped = _graceful_stop(server)
         status = server.process.returncode
@@ -246,6 +248,7 @@ def summary(lines: list[dict[str, Any]], history: list[dict[str, Any]], lock_del
                              "caught_up_after_s": after("caught_up_at"),
                              "autopilot_healthy_after_s": after("autopilot_healthy_at"),
                              "clients_read_after_s": after("recovered"), "transfer": fault.get("transfer"),
+                             "transfer_s": fault.get("transfer_s"),
                              "fenced": _fenced(history, fault["t"], heal.get("recovered") or heal.get("t"),
                                                lock_delay_s)})
         else:
@@ -265,14 +268,22 @@ def _fenced(history: list[dict[str, Any]], start: float, end: float | None, lock
     return sum(1 for ln in history if ln["ev"] == "exit" and ln.get("status") == 75 and start <= ln["t"] <= until)
 
 
+def _leader_cell(restart: dict[str, Any]) -> str:
+    if not restart["was_leader"]:
+        return "no"
+    if restart["transfer"]:
+        return f"handed over first ({restart['transfer_s']} s)" if restart.get("transfer_s") else "handed over first"
+    return "yes"
+
+
 def markdown(summary: dict[str, Any]) -> list[str]:
     out: list[str] = []
     if summary["restarts"]:
-        out += ["", "| round | step | server | was leader (handed over first) | exit | down (s) | no leader (s) | "
+        out += ["", "| round | step | server | leader? | exit | down (s) | no leader (s) | "
                 "leader after (s) | "
                 "voter after (s) | caught up after (s) | autopilot healthy after (s) | clients read after (s) | "
                 "wrappers fenced (75) |", "|" + "---|" * 13]
-        out += [f"| {r['round']} | {r['step']} | {r['node']} | {r['was_leader']}{' (yes)' if r['transfer'] else ''} "
+        out += [f"| {r['round']} | {r['step']} | {r['node']} | {_leader_cell(r)} "
                 f"| {r['exit_status']} | {r['down_s']} | {r['no_leader_s']} "
                 f"| {r['leader_after_s']} | {r['voter_after_s']} | {r['caught_up_after_s']} | {r['autopilot_healthy_after_s']} "
                 f"| {r['clients_read_after_s']} | {r['fenced']} |" for r in summary["restarts"]]
