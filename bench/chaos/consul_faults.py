@@ -135,7 +135,7 @@ def _transfer_leadership(nemesis: "Nemesis", leader: "Agent") -> tuple[str | Non
 
 def cluster_leader_other_than(nemesis: "Nemesis", server: "Agent") -> bool:
     leader = nemesis.cluster.leader()
-    return leader is not None and leader is not server
+    return leader is not None and leader is not server and leader.alive()
 
 
 def rolling_restart(nemesis: "Nemesis") -> None:
@@ -160,9 +160,10 @@ def rolling_restart(nemesis: "Nemesis") -> None:
         stopped = _graceful_stop(server)
         status = server.process.returncode
         back_at = time.time() + nemesis.rng.uniform(1, 3)
-        elected_at = None  # while it is down: when the others had a leader (at once unless it led)
+        elected_at = None  # while it is down: when another live server led (at once unless it led)
         while time.time() < back_at and not nemesis.stop_event.is_set():
-            if elected_at is None and cluster.leader() is not None:
+            # The followers name the stopped leader until their heartbeat timeout: a leader that is not it.
+            if elected_at is None and cluster_leader_other_than(nemesis, server):
                 elected_at = round(time.time(), 4)
             nemesis.stop_event.wait(0.05)
         nemesis._heal = None
