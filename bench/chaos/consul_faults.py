@@ -228,70 +228,81 @@ def snapshot_restore(nemesis: "Nemesis") -> None:
 
 
 def summary(lines: list[dict[str, Any]], history: list[dict[str, Any]], lock_delay_s: float) -> dict[str, Any]:
-    """Per server restart: how long it was down and how long until a leader, voter and autopilot health; per
-    restore: the snapshot's age and how long the restore took (from the nemesis log's lines)."""
+    """Per server restart: how long it was down, without a leader, and until it was a caught-up voter that
+    autopilot calls healthy; per restore: the snapshot's age and how long the restore took; for both, the
+    wrappers that exited 75 (job stopped: lock lost) or 69 (Consul unavailable) while the fault acted (from
+    its start to lock-delay after its clients read again; each exit counted for the latest fault only)."""
     faults = {ln["id"]: ln for ln in lines if ln["ev"] == "fault" and ln.get("kind") in KINDS}
     heals = {ln["id"]: ln for ln in lines if ln["ev"] == "heal" and ln["id"] in faults}
+    exits = _exits_by_fault(faults, heals, history, lock_delay_s)
     restarts, restores = [], []
     for fault_id, fault in sorted(faults.items()):
         heal = heals.get(fault_id, {})
+        hit = {"fenced": exits[fault_id].count(75), "unavailable": exits[fault_id].count(69)}
         if fault["kind"] == "rolling-restart":
             since = heal.get("healed")
 
             def after(key: str, since: float | None = since) -> float | None:
                 return round(heal[key] - since, 2) if heal.get(key) and since else None
             restarts.append({"round": fault.get("round"), "step": fault.get("step"), "node": fault["node"],
-                             "was_leader": fault.get("was_leader"), "exit_status": heal.get("exit_status"),
+                             "was_leader": fault.get("was_leader"), "transfer": fault.get("transfer"),
+                             "transfer_s": fault.get("transfer_s"), "exit_status": heal.get("exit_status"),
                              "down_s": round(since - fault["t"], 2) if since else None,
                              "no_leader_s": round(heal["elected_at"] - heal["stopped"], 2)
                              if heal.get("elected_at") and heal.get("stopped") else None,
                              "leader_after_s": after("leader_at"), "voter_after_s": after("voter_at"),
                              "caught_up_after_s": after("caught_up_at"),
                              "autopilot_healthy_after_s": after("autopilot_healthy_at"),
-                             "clients_read_after_s": after("recovered"), "transfer": fault.get("transfer"),
-                             "transfer_s": fault.get("transfer_s"),
-                             "fenced": _fenced(history, fault["t"], heal.get("recovered") or heal.get("t"),
-                                               lock_delay_s)})
+                             "clients_read_after_s": after("recovered"), **hit})
         else:
             restores.append({"id": fault_id, "server": fault["node"], "snapshot_index": fault.get("index"),
                              "snapshot_age_s": fault.get("age_s"), "holder": fault.get("holder"),
                              "job": fault.get("job"), "status": heal.get("status"), "took_s": heal.get("took_s"),
-                             "fenced": _fenced(history, fault["t"], heal.get("recovered") or heal.get("t"),
-                                               lock_delay_s),
                              "clients_read_after_s": round(heal["recovered"] - heal["healed"], 2)
-                             if heal.get("recovered") and heal.get("healed") else None})
+                             if heal.get("recovered") and heal.get("healed") else None, **hit})
     return {"restarts": restarts, "restores": restores}
 
 
-def _fenced(history: list[dict[str, Any]], start: float, end: float | None, lock_delay_s: float) -> int:
-    """Wrappers that exited 75 (lock lost, job stopped) from the fault's start to lock-delay after its end."""
-    until = (end or start) + lock_delay_s
-    return sum(1 for ln in history if ln["ev"] == "exit" and ln.get("status") == 75 and start <= ln["t"] <= until)
+def _exits_by_fault(faults: dict[int, dict[str, Any]], heals: dict[int, dict[str, Any]],
+                    history: list[dict[str, Any]], lock_delay_s: float) -> dict[int, list[int]]:
+    found: dict[int, list[int]] = {fault_id: [] for fault_id in faults}
+    ordered = sorted(faults.values(), key=lambda f: f["t"])
+    for line in (ln for ln in history if ln["ev"] == "exit" and ln.get("status") in (69, 75)):
+        latest = [f for f in ordered if f["t"] <= line["t"]]
+        if not latest:
+            continue
+        fault = latest[-1]
+        heal = heals.get(fault["id"], {})
+        if line["t"] <= (heal.get("recovered") or heal.get("t") or fault["t"]) + lock_delay_s:
+            found[fault["id"]].append(line["status"])
+    return found
 
 
-def _leader_cell(restart: dict[str, Any]) -> str:
-    if not restart["was_leader"]:
-        return "no"
-    if restart["transfer"]:
-        return f"handed over first ({restart['transfer_s']} s)" if restart.get("transfer_s") else "handed over first"
-    return "yes"
+def _p50_max(values: list[float | None]) -> str:
+    known = sorted(v for v in values if v is not None)
+    return f"{known[(len(known) - 1) // 2]} / {known[-1]}" if known else "-"
 
 
 def markdown(summary: dict[str, Any]) -> list[str]:
+    """Server restarts grouped by what was restarted (a follower; the leader; the leader after handing its
+    leadership over), each restore on its own row."""
     out: list[str] = []
+    groups = {"follower": [r for r in summary["restarts"] if not r["was_leader"]],
+              "leader, restarted as it led": [r for r in summary["restarts"] if r["was_leader"] and not r["transfer"]],
+              "leader, handed over first": [r for r in summary["restarts"] if r["was_leader"] and r["transfer"]]}
     if summary["restarts"]:
-        out += ["", "| round | step | server | leader? | exit | down (s) | no leader (s) | "
-                "leader after (s) | "
-                "voter after (s) | caught up after (s) | autopilot healthy after (s) | clients read after (s) | "
-                "wrappers fenced (75) |", "|" + "---|" * 13]
-        out += [f"| {r['round']} | {r['step']} | {r['node']} | {_leader_cell(r)} "
-                f"| {r['exit_status']} | {r['down_s']} | {r['no_leader_s']} "
-                f"| {r['leader_after_s']} | {r['voter_after_s']} | {r['caught_up_after_s']} | {r['autopilot_healthy_after_s']} "
-                f"| {r['clients_read_after_s']} | {r['fenced']} |" for r in summary["restarts"]]
+        out += ["", "| server restarted (p50 / max, s) | n | down | hand-over | no leader | voter after | caught up "
+                "after | autopilot healthy after | clients read after | wrappers exited 75 / 69 |", "|" + "---|" * 10]
+        for name, rows in groups.items():
+            if rows:
+                cols = [_p50_max([r[k] for r in rows]) for k in ("down_s", "transfer_s", "no_leader_s",
+                        "voter_after_s", "caught_up_after_s", "autopilot_healthy_after_s", "clients_read_after_s")]
+                out.append(f"| {name} | {len(rows)} | " + " | ".join(cols)
+                           + f" | {sum(r['fenced'] for r in rows)} / {sum(r['unavailable'] for r in rows)} |")
     if summary["restores"]:
         out += ["", "| restore | server | snapshot index | snapshot age (s) | aimed at | took (s) | exit | "
-                "clients read after (s) | wrappers fenced (75) |", "|" + "---|" * 9]
+                "clients read after (s) | wrappers exited 75 / 69 |", "|" + "---|" * 9]
         out += [f"| #{r['id']} | {r['server']} | {r['snapshot_index']} | {r['snapshot_age_s']} "
                 f"| {(r['job'] + '@' + r['holder']) if r['holder'] else '-'} | {r['took_s']} | {r['status']} "
-                f"| {r['clients_read_after_s']} | {r['fenced']} |" for r in summary["restores"]]
+                f"| {r['clients_read_after_s']} | {r['fenced']} / {r['unavailable']} |" for r in summary["restores"]]
     return out
