@@ -151,7 +151,7 @@ def check(out: Path) -> dict[str, Any]:
         report["jobs"][spec["name"]] = job.entry
         report["violations"] += job.violations
     report["consul_faults"] = consul_faults.summary(list(read(out / "nemesis.log")), list(read(out / "history.log")),
-                                                    lock_delay)
+                                                    lock_delay, consul_faults.leadership_acquired(out / "agents"))
     fired = sum(e["occurrences"] for e in report["jobs"].values())
     before, after = meta.get("applied_before"), meta.get("applied_after")
     report["raft_writes"] = (after - before) if before is not None and after is not None else None

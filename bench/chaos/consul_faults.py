@@ -33,6 +33,8 @@ import re
 import signal
 import subprocess
 import time
+from datetime import datetime, timezone
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 import requests
@@ -159,13 +161,7 @@ def rolling_restart(nemesis: "Nemesis") -> None:
         fault_id = nemesis.counter
         stopped = _graceful_stop(server)
         status = server.process.returncode
-        back_at = time.time() + nemesis.rng.uniform(1, 3)
-        elected_at = None  # while it is down: when another live server led (at once unless it led)
-        while time.time() < back_at and not nemesis.stop_event.is_set():
-            # The followers name the stopped leader until their heartbeat timeout: a leader that is not it.
-            if elected_at is None and cluster_leader_other_than(nemesis, server):
-                elected_at = round(time.time(), 4)
-            nemesis.stop_event.wait(0.05)
+        nemesis._sleep(nemesis.rng.uniform(1, 3))  # the binary swapped
         nemesis._heal = None
         started = time.time()
         cluster.restart(server)
@@ -179,8 +175,9 @@ def rolling_restart(nemesis: "Nemesis") -> None:
         recovered = nemesis._wait_recovered()
         new_leader = cluster.leader()
         nemesis.log.emit("heal", id=fault_id, kind="rolling-restart", healed=round(started, 4), recovered=recovered,
-                         stopped=round(stopped, 4), exit_status=status, elected_at=elected_at, leader_at=leader_at, voter_at=voter_at,
-                         caught_up_at=caught_up_at, autopilot_healthy_at=healthy_at, leader=new_leader.name if new_leader else None)
+                         stopped=round(stopped, 4), exit_status=status, leader_at=leader_at, voter_at=voter_at,
+                         caught_up_at=caught_up_at, autopilot_healthy_at=healthy_at,
+                         leader=new_leader.name if new_leader else None)
         nemesis._sleep(nemesis.rng.uniform(1, 3))
 
 
@@ -227,7 +224,22 @@ def snapshot_restore(nemesis: "Nemesis") -> None:
 # --- what the report shows of them
 
 
-def summary(lines: list[dict[str, Any]], history: list[dict[str, Any]], lock_delay_s: float) -> dict[str, Any]:
+def leadership_acquired(agents_dir: Path) -> list[tuple[float, str]]:
+    """(when, server) of every `cluster leadership acquired` line in the servers' logs, in time order."""
+    found = []
+    for log in sorted(agents_dir.glob("server*.log")):
+        for line in log.read_text(errors="replace").splitlines():
+            if "cluster leadership acquired" in line:
+                try:
+                    stamp = datetime.strptime(line[:23], "%Y-%m-%dT%H:%M:%S.%f").replace(tzinfo=timezone.utc)
+                except ValueError:
+                    continue
+                found.append((stamp.timestamp(), log.stem))
+    return sorted(found)
+
+
+def summary(lines: list[dict[str, Any]], history: list[dict[str, Any]], lock_delay_s: float,
+            acquired: list[tuple[float, str]] | None = None) -> dict[str, Any]:
     """Per server restart: how long it was down, without a leader, and until it was a caught-up voter that
     autopilot calls healthy; per restore: the snapshot's age and how long the restore took; for both, the
     wrappers that exited 75 (job stopped: lock lost) or 69 (Consul unavailable) while the fault acted (from
@@ -248,8 +260,7 @@ def summary(lines: list[dict[str, Any]], history: list[dict[str, Any]], lock_del
                              "was_leader": fault.get("was_leader"), "transfer": fault.get("transfer"),
                              "transfer_s": fault.get("transfer_s"), "exit_status": heal.get("exit_status"),
                              "down_s": round(since - fault["t"], 2) if since else None,
-                             "no_leader_s": round(heal["elected_at"] - heal["stopped"], 2)
-                             if heal.get("elected_at") and heal.get("stopped") else None,
+                             "no_leader_s": _no_leader(fault, acquired or []),
                              "leader_after_s": after("leader_at"), "voter_after_s": after("voter_at"),
                              "caught_up_after_s": after("caught_up_at"),
                              "autopilot_healthy_after_s": after("autopilot_healthy_at"),
@@ -261,6 +272,15 @@ def summary(lines: list[dict[str, Any]], history: list[dict[str, Any]], lock_del
                              "clients_read_after_s": round(heal["recovered"] - heal["healed"], 2)
                              if heal.get("recovered") and heal.get("healed") else None, **hit})
     return {"restarts": restarts, "restores": restores}
+
+
+def _no_leader(fault: dict[str, Any], acquired: list[tuple[float, str]]) -> float | None:
+    """A leader restarted as it led: from its SIGTERM to another server's `cluster leadership acquired` (the
+    servers' logs; the followers' HTTP answers name the stopped leader until their heartbeat timeout)."""
+    if not fault.get("was_leader") or fault.get("transfer"):
+        return None
+    after = [t for t, name in acquired if t >= fault["t"] and name != fault["node"]]
+    return round(after[0] - fault["t"], 2) if after else None
 
 
 def _exits_by_fault(faults: dict[int, dict[str, Any]], heals: dict[int, dict[str, Any]],
