@@ -17,8 +17,10 @@ Opt-in kinds (not in the default fault set: `--faults rolling-restart,snapshot-r
 Why not `consul leave` before the restart: leaving takes the server out of the Raft configuration, so a
 three-server cluster runs on two voters (quorum 2 of 2) until it rejoins and a second failure meanwhile loses
 the quorum; a restart without leave keeps it a voter, and the cluster counts its absence as one tolerated
-failure. Consul's own upgrade notes leave either way open; package upgrades and `systemctl restart` do not
-leave, so that is what is measured.
+failure. Consul's upgrade page (developer.hashicorp.com/consul/docs/upgrade) says the same: one server at a
+time, restart the service with the service manager, wait until it is healthy and has rejoined (its 1.9 page
+still said `consul leave` first). Half the rounds hand the leadership over before the leader's restart
+(`consul operator raft transfer-leader`), so the report compares an election with a hand-over.
 
 What Consul does on a restore (tests/test_consul_restore.py pins it against the real agent): sessions are
 restored as they were saved (one created since is gone: its renewal is a 404; one destroyed since is back,
