@@ -9,7 +9,9 @@ faults, one holder running an occurrence more often than its `retries.attempts`
 allow (1 without retries), wrapper exit statuses, fencing latency (fault start -> the holder's
 job dead) and takeover latency (holder's job dead -> a standby's job start) as
 percentiles, and Raft writes per occurrence. Heartbeats come every 100 ms, so
-"dead" times are late by at most 0.1 s.
+"dead" times are late by at most 0.1 s. What follows a snapshot restore (an
+occurrence started again, an overlap, a retry occurrence not completed) is
+counted apart: the guarantees state it, so it is no violation.
 
 Usage: python -m bench.chaos.checker OUTDIR   (re-checks a finished run; exit 1 on a violation)
 """
