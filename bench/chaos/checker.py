@@ -10,7 +10,9 @@ allow (1 without retries), a chained job's run without its parent's end or twice
 (chains.py), wrapper exit statuses, fencing latency (fault start -> the holder's
 job dead) and takeover latency (holder's job dead -> a standby's job start) as
 percentiles, and Raft writes per occurrence. Heartbeats come every 100 ms, so
-"dead" times are late by at most 0.1 s.
+"dead" times are late by at most 0.1 s. What follows a snapshot restore (an
+occurrence started again, an overlap, a retry occurrence not completed) is
+counted apart: the guarantees state it, so it is no violation.
 
 Usage: python -m bench.chaos.checker OUTDIR   (re-checks a finished run; exit 1 on a violation)
 """
@@ -27,11 +29,14 @@ from pathlib import Path
 from typing import Any
 
 from bench.chaos import chains
+from bench.chaos import consul_faults
+from bench.chaos.consul_faults import RESTORE_KINDS
 from bench.chaos.logs import read
 from bench.chaos.report import markdown
 
 CLIENT_FAULTS = {"agent-kill", "partition-client", "wrapper-kill", "pause", "skew"}
-FENCING_FAULTS = ("agent-kill", "partition-client", "wrapper-kill", "partition-server", "leader-kill")
+FENCING_FAULTS = ("agent-kill", "partition-client", "wrapper-kill", "partition-server", "leader-kill",
+                  "rolling-restart", "snapshot-restore")
 RECOVERY_S = 1.0  # slack after a node's recovery (its agent reads through the servers again)
 HEARTBEAT_S = 0.15  # heartbeat period and some slack
 HOLDER_SEEN_S = 1.0  # a fault may hit a holder between its acquisition and its job's first line
@@ -150,6 +155,8 @@ def check(out: Path) -> dict[str, Any]:
         chained, chain_violations = chains.judge(spec, runs_by_job)
         report["jobs"][spec["name"]] = {**job.entry, **chained}
         report["violations"] += job.violations + chain_violations
+    report["consul_faults"] = consul_faults.summary(list(read(out / "nemesis.log")), list(read(out / "history.log")),
+                                                    lock_delay, consul_faults.leadership_acquired(out / "agents"))
     fired = sum(e["occurrences"] for e in report["jobs"].values())
     before, after = meta.get("applied_before"), meta.get("applied_after")
     report["raft_writes"] = (after - before) if before is not None and after is not None else None
@@ -176,6 +183,7 @@ class _Job:
         self.horizon = 2 * meta["ttl_s"] + meta["lock_delay_s"]  # how long a fault can still act after it started
         self.runs = sorted(runs, key=lambda r: r.start)
         self.fires = [e for e in timer_events if e.get("job") == self.name]
+        self.restores = [f for f in faults if f.kind in RESTORE_KINDS]
         # A chained job's fires (its emulated chain-watch) are for no scheduled time: chains.py judges its runs.
         self.occurrences = sorted({e["sched"] for e in self.fires if e["ev"] in ("fire", "busy")}) \
             if spec.get("schedule") else []
@@ -205,7 +213,7 @@ class _Job:
 
     def _overlaps(self) -> None:
         """Any two runs of the job at once, whatever their occurrences; those with a paused run apart."""
-        overlaps, pause_overlaps = [], []
+        overlaps, pause_overlaps, restore_overlaps = [], [], []
         for i, first in enumerate(self.runs):
             for second in self.runs[i + 1:]:
                 if second.start >= first.last:
@@ -221,8 +229,14 @@ class _Job:
                         "stale_writes": len(stale_writes),
                         "stale_writes_rejected_by_token": sum(rejected for _, rejected in stale_writes),
                         "evidence": [*first.lines, *second.lines]}
-                (pause_overlaps if first.paused or second.paused else overlaps).append(item)
+                if first.paused or second.paused:
+                    pause_overlaps.append(item)
+                elif self._restored_between(first.start, second.start):
+                    restore_overlaps.append(item)
+                else:
+                    overlaps.append(item)
         self.entry["overlaps"] = overlaps
+        self.entry["restore_overlaps"] = restore_overlaps
         self.entry["pause_overlaps"] = pause_overlaps
         self.entry["pause_overlaps_all_rejected_by_token"] = all(
             o["stale_writes_rejected_by_token"] == o["stale_writes"] for o in pause_overlaps)
@@ -294,6 +308,15 @@ class _Job:
         # _attempts.
         held_twice = {occ: rs for occ, rs in ran_twice.items() if len({r.token for r in rs}) > 1}
         completed_twice = {occ: rs for occ, rs in by_occ.items() if sum(r.ended for r in rs) > 1}
+        # A snapshot restore between a run and the next run of its occurrence took the claim back (counted apart).
+        restored = {occ for occ, rs in ran_twice.items() if self._restored_between(rs[0].start, rs[-1].start)}
+        self.entry["repeated_after_restore"] = [{"occurrence": occ, "runs": [_describe(r) for r in by_occ[occ]],
+                                                 "restores": [f.label() for f in self.restores
+                                                              if by_occ[occ][0].start - HOLDER_SEEN_S <= f.start
+                                                              <= by_occ[occ][-1].start],
+                                                 "evidence": [ln for r in by_occ[occ] for ln in r.lines]}
+                                                for occ in sorted(restored)]
+        held_twice = {occ: rs for occ, rs in held_twice.items() if occ not in restored}
         self.entry["started_more_than_once"] = len(ran_twice)
         self.entry["completed_more_than_once"] = len(completed_twice)
         self.entry["never_started"] = sum(1 for occ in self.occurrences if occ not in by_occ)
@@ -325,7 +348,7 @@ class _Job:
 
     def _lost(self) -> None:
         """Occurrences no run completed, judged against the client nodes' health during their interval."""
-        lost, lost_no_healthy, lost_repeated = [], [], []
+        lost, lost_no_healthy, lost_repeated, lost_after_restore = [], [], [], []
         attempts_killed = Counter(r.occ for r in self.runs if not r.ended)
         attempts_killed.update(occ for _, occ in self.killed_unlogged)
         for occ in self.occurrences:
@@ -333,6 +356,9 @@ class _Job:
                 continue
             t0 = _epoch(occ)
             window = (t0, t0 + self.spec["interval_s"])
+            if self._restored_between(window[0] - self.horizon, window[1]):
+                lost_after_restore.append(occ)
+                continue
             sick = [f for f in self.faults if f.kind in CLIENT_FAULTS
                     and f.start <= window[1] and f.end + RECOVERY_S >= window[0]]
             always_healthy = [c for c in self.clients if c not in {f.node for f in sick}]
@@ -352,8 +378,13 @@ class _Job:
         self.entry["lost_with_healthy_node"] = lost
         self.entry["lost_without_healthy_node"] = len(lost_no_healthy)
         self.entry["lost_after_repeated_holder_deaths"] = lost_repeated
+        self.entry["lost_around_a_restore"] = lost_after_restore
         if self.spec.get("condition_holds"):
             self.violations += [{"kind": "lost under retry", "job": self.name, **item} for item in lost]
+
+    def _restored_between(self, t0: float, t1: float) -> bool:
+        """A snapshot restore began in [t0 - HOLDER_SEEN_S, t1]: what ran before it may run again after it."""
+        return any(t0 - HOLDER_SEEN_S <= f.start <= t1 for f in self.restores)
 
     def _fencing(self) -> None:
         """Fault start -> the hit holder's job dead (it never ended); and the tail of each pause."""

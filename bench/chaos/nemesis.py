@@ -30,12 +30,17 @@ from typing import Callable
 
 import requests
 
+from bench.chaos import consul_faults
 from bench.chaos.logs import AppendLog
 from bench.chaos.timers import Fleet, Wrapper, descendants, signal_all
 from tests.harness.bigcluster import BigCluster
 
 KINDS = {"agent-kill": 2, "partition-client": 2, "partition-server": 1, "leader-kill": 1, "wrapper-kill": 2,
          "pause": 2, "skew": 1}
+# Opt-in kinds, each module's own (`--faults` names them; never in the default set), with the function that
+# injects one: `inject(nemesis, kind)`.
+OPT_IN = {kind: (weight, consul_faults.inject) for kind, weight in consul_faults.KINDS.items()}
+ALL_KINDS = {**KINDS, **{kind: weight for kind, (weight, _) in OPT_IN.items()}}
 
 
 class Nemesis(threading.Thread):
@@ -117,6 +122,8 @@ class Nemesis(threading.Thread):
 
     def inject(self, kind: str) -> None:
         cluster = self.cluster
+        if kind in OPT_IN:
+            return OPT_IN[kind][1](self, kind)
         if kind in ("agent-kill", "partition-client"):
             agent = cluster.by_name(self._client_target())
             index = cluster.index_of(agent)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from bench.chaos import consul_faults
+
 
 def markdown(report: dict[str, Any]) -> str:
     """The report as the tables docs/chaos.md shows."""
@@ -41,6 +43,13 @@ def markdown(report: dict[str, Any]) -> str:
                 "|---|---|---|---|---|"]
         out += [f"| {job} | {', '.join(f'{p} ({on})' for p, on in e['after'].items())} | {e['chained_runs']} "
                 f"| {len(e['chained_without_parent_end'])} | {len(e['chained_twice'])} |" for job, e in chained.items()]
+    restored = [(job, e) for job, e in report["jobs"].items() if "snapshot-restore" in report["faults"]]
+    if restored:
+        out += ["", "Counted apart, after a snapshot restore (the restore took back claims and locks): " + "; ".join(
+            f"{job}: {len(e['repeated_after_restore'])} occurrence(s) run again, {len(e['restore_overlaps'])} "
+            f"overlap(s), {len(e.get('lost_around_a_restore', []))} not completed around a restore"
+            for job, e in restored)]
+    out += consul_faults.markdown(report.get("consul_faults") or {"restarts": [], "restores": []})
     out += ["", "| job | latency (s) | n | p50 | p90 | p99 | max |", "|---|---|---|---|---|---|---|"]
     for job, e in report["jobs"].items():
         rows = [(f"fencing: {k}", v) for k, v in e["fencing_latency_s"].items()]

@@ -22,7 +22,7 @@ from consulrun.manifest.durations import parse_duration
 
 from bench.chaos.checker import check
 from bench.chaos.logs import AppendLog
-from bench.chaos.nemesis import KINDS, Nemesis
+from bench.chaos.nemesis import ALL_KINDS, KINDS, Nemesis
 from bench.chaos.report import markdown
 from bench.chaos.timers import FAKETIME_LIB, Fleet, JobSpec, LockSettings
 from tests.harness.agents import consul_binary, wait_for
@@ -68,7 +68,8 @@ def arguments(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--ttl", type=int, default=10, help="session TTL in seconds (minimum 10)")
     parser.add_argument("--lock-delay", type=int, default=5, help="lock-delay in seconds (minimum 5)")
     parser.add_argument("--faults", default=",".join(KINDS),
-                        help="fault kinds the nemesis may inject, comma-separated; 'none' for a fault-free run")
+                        help="fault kinds the nemesis may inject, comma-separated; 'none' for a fault-free run; "
+                        f"default: {','.join(KINDS)}; also: {','.join(k for k in ALL_KINDS if k not in KINDS)}")
     args = parser.parse_args(argv)
     args.job = args.job or [parse_job(j) for j in DEFAULT_JOBS]
     names = {j.name for j in args.job}
@@ -80,10 +81,10 @@ def arguments(argv: list[str] | None) -> argparse.Namespace:
     except ValueError as exc:
         parser.error(f"--duration: {exc}")
     kinds = [] if args.faults == "none" else args.faults.split(",")
-    unknown = [k for k in kinds if k not in KINDS]
+    unknown = [k for k in kinds if k not in ALL_KINDS]
     if unknown:
-        parser.error(f"--faults: unknown kind(s) {', '.join(unknown)}; known: {', '.join(KINDS)}")
-    args.kinds = {k: KINDS[k] for k in kinds}
+        parser.error(f"--faults: unknown kind(s) {', '.join(unknown)}; known: {', '.join(ALL_KINDS)}")
+    args.kinds = {k: ALL_KINDS[k] for k in kinds}
     return args
 
 
