@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from consulrun.protocol import keys as kvkeys
 from tests.harness.agents import Agent, Cluster, wait_for
 from tests.test_occurrence import _skip_writes, history, skewed
 from tests.test_run import SKIP, consulrun, finish, kv_json
@@ -263,7 +264,7 @@ def test_a_late_write_about_the_previous_occurrence_does_not_keep_a_miss_from_be
     assert said.endswith("; recorded it missed"), said
     record = kv_json(consul, "consulrun/latewrite/occurrence")
     assert (record["occurrence"], record["state"]) == (due, "missed"), record
-    assert kv_json(consul, f"consulrun/latewrite/history/{previous}")["state"] == "lost"  # the late write stands too
+    assert kv_json(consul, kvkeys.history_key("consulrun/latewrite", previous))["state"] == "lost"  # the late write stands too
 
 
 def _two_hours_ago() -> str:
