@@ -257,7 +257,7 @@ def test_a_late_write_about_the_previous_occurrence_does_not_keep_a_miss_from_be
     assert client.txn([kv_op("set", ledger.record_key, running)]) is not None
     stale = ledger.snapshot(consistent=True)
     late = {**running, "state": "lost", "reason": "fenced"}  # as the fenced runner writes it: record and history
-    assert client.txn([kv_op("set", ledger.record_key, late), kv_op("set", ledger.history_prefix + previous, late)])
+    assert client.txn([kv_op("set", ledger.record_key, late), kv_op("set", ledger.history_key(previous), late)])
     occ = occurrence.Occurrence(id=due, when=datetime(2026, 12, 1, 10, 0, 10, tzinfo=timezone.utc),
                                 specs=("*:*:0/10",), next_when=None)
     said = occurrence._record_missed(Locker(client, spec), ledger, occ, stale)
