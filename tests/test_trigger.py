@@ -268,7 +268,8 @@ def test_trigger_among_three_nodes_runs_once_as_manual(three_timers, consul_bin:
     assert len(manual) == 1 and manual[0][3] == nodes[target].name, log
 
     exported = json.loads(nodes[0].exec(consul_bin, "kv", "export", f"consulrun/{job}/history/").stdout)
-    history = {e["key"].rsplit("/", 1)[1]: json.loads(base64.b64decode(e["value"])) for e in exported}
+    history = {kvkeys.history_order(e["key"])[0] + (kvkeys.MANUAL if kvkeys.is_manual(e["key"]) else ""):
+               json.loads(base64.b64decode(e["value"])) for e in exported}  # by the time each names
     manual_records = [r for k, r in history.items() if kvkeys.is_manual(k)]
     assert len(manual_records) == 1, manual_records
     record = manual_records[0]
