@@ -23,8 +23,8 @@ import requests
 
 from consulrun.manifest import calendar
 from consulrun.errors import UsageError
-from consulrun.protocol.fencing import Fencing, stop_timeout_ms
 from consulrun.protocol import keys as kvkeys
+from consulrun.protocol.fencing import Fencing, stop_timeout_ms
 from tests.harness.agents import Agent, wait_for
 from tests.test_run import SKIP, consulrun, finish, gated_job, kv_json, lock_entry, pid_alive
 

@@ -22,8 +22,7 @@ import pytest
 import requests
 
 from consulrun.manifest import calendar
-from consulrun.protocol import procinfo
-from consulrun.protocol import keys as kvkeys
+from consulrun.protocol import keys as kvkeys, procinfo
 from tests.harness.agents import Agent, free_port, wait_for
 from tests.test_remote import MANIFEST, Sshd, _install, sshd  # noqa: F401 - the fixture is used by name
 from tests.test_run import consulrun, finish, kv_json, lock_entry

@@ -132,6 +132,15 @@ def test_pruning_new_keys_and_the_old_key_of_the_entry_written() -> None:
                    ("delete-tree", f"{h}2025-01-03T00")], ops
 
 
+def test_a_job_whose_name_holds_two_dots_is_pruned_by_name() -> None:
+    base = "consulrun/a..b"
+    ledger = Ledger(None, base, history_size=1)  # type: ignore[arg-type]
+    listed = entries(keys.history_key(base, "2025-01-01T00:00:00Z"), f"{base}/history/2024-01-01T00:00:00Z")
+    ops = deletes(ledger.prune_ops(listed, keys.history_key(base, "2026-01-01T00:00:00Z")))
+    assert ops == [("delete-tree", f"{base}/history/2024-01-01T00"),
+                   ("delete", keys.history_key(base, "2025-01-01T00:00:00Z"))], ops
+
+
 def test_a_key_no_release_wrote_is_never_reached_by_a_prefix() -> None:
     h = f"{BASE}/history/"
     odd = [f"{h}2026~manual", f"{h}x y", f"{h}:"]
@@ -170,7 +179,8 @@ def test_job_names_and_kv_prefixes_the_schema_allows_are_inside_the_rule() -> No
     for text in candidates:
         if kv_prefix_problem(text) is None:
             taken += 1
-            assert consul_takes(text) and consul_takes(keys.history_key(keys.job_base(text, "j"), "2026-01-01T00:00:00Z"))
+            key = keys.history_key(keys.job_base(text, "j"), "2026-01-01T00:00:00Z")
+            assert consul_takes(text) and consul_takes(key), text
             assert "/../" not in f"/{text}/" and "/./" not in f"/{text}/", text
         for pattern in patterns:
             if re.search(pattern, text):

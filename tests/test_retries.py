@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from consulrun.protocol.retries import ATTEMPTS_MAX, RetryPolicy
 from consulrun.protocol import keys as kvkeys
+from consulrun.protocol.retries import ATTEMPTS_MAX, RetryPolicy
 from tests.harness.agents import Agent, wait_for
 from tests.test_health import catalog, checks, register  # noqa: F401 - catalog is a fixture, by name
 from tests.test_notify import monitor  # noqa: F401 - the fixture, by name

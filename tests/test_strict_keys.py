@@ -138,7 +138,8 @@ def test_scheduled_manual_and_takeover_runs_read_and_prune_old_keys_and_write_on
     # A takeover: this occurrence's record "running" under a session that is gone; retry runs it again, and a
     # failed first attempt is retried (retries.py's own writes).
     record = kv_json(consul, f"{base}/occurrence")
-    seed(consul, f"{base}/occurrence", {**record, "state": "running", "session": "00000000-0000-0000-0000-000000000000"})
+    gone = "00000000-0000-0000-0000-000000000000"
+    seed(consul, f"{base}/occurrence", {**record, "state": "running", "session": gone})
     marker = tmp_path / "failed-once"
     code, _, err = finish(consulrun("run", "--schedule", YEARLY, "--history", "3", "--on-holder-loss", "retry",
                                     "--attempts", "2", "--retry-backoff", "0s", "legacy", "--", "sh", "-c",

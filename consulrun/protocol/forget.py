@@ -96,8 +96,8 @@ def _past_ops(found: Forgetting) -> tuple[list[dict[str, Any]], list[str]]:
         ops += done
         left += cannot
     others = [k for k in past if not k.startswith((keys.history_prefix(found.base), keys.episodes_prefix(found.base)))]
-    ops += [kv_op("delete-cas", k, Index=found.keys[k]) for k in others if keys.is_safe(k)]
-    return ops, left + [k for k in others if not keys.is_safe(k)]
+    ops += [kv_op("delete-cas", k, Index=found.keys[k]) for k in others if keys.nameable(k)]
+    return ops, left + [k for k in others if not keys.nameable(k)]
 
 
 def _live(found: Forgetting, key: str) -> bool:

@@ -46,9 +46,15 @@ _HEX = re.compile(r"[0-9A-F]{2}")
 _LEGACY_HOUR = re.compile(r"^\d{4}-\d\d-\d\dT\d\d$(?!\n)")
 
 
+def nameable(key: str) -> bool:
+    """Whether a request may name `key` on a Consul that checks keys as 1.21.5 did."""
+    return bool(SAFE_KEY.match(key))
+
+
 def is_safe(key: str) -> bool:
-    """Inside Consul 1.21.5's rule, and no `..` (path traversal, refused by every release that checks keys)."""
-    return bool(SAFE_KEY.match(key)) and ".." not in key
+    """Nameable, and no `..` (path traversal, which the later rules refuse): every key built here is, under a
+    prefix and a job name that hold no `..` (the manifest's schema allows `a..b`; see the tests)."""
+    return nameable(key) and ".." not in key
 
 
 def job_base(prefix: str, job: str) -> str:
@@ -198,7 +204,7 @@ def delete_ops(doomed: list[str], listed: list[str], directory: str,
     left: list[str] = []
     covers: dict[str, bool] = {}
     for key in doomed:
-        if is_safe(key):
+        if nameable(key):
             ops.append(op(key))
             continue
         cover = _cover(key, directory)
