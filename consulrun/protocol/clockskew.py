@@ -84,7 +84,7 @@ clock_prefix = keys.clock_prefix
 def _findings(entries: dict[str, dict[str, Any]], base: str, about: str) -> dict[str, dict[str, Any]]:
     """accuser -> finding (ahead_s, at) about node `about`, from the entries under the job's clock prefix."""
     found = {}
-    prefix = keys.clock_key(base, about, "")[:-1]  # `<base>/clock/<about>/`
+    prefix = keys.clock_about_prefix(base, about)
     for key, entry in entries.items():
         if not key.startswith(prefix):
             continue

@@ -97,9 +97,14 @@ def clock_prefix(base: str) -> str:
     return f"{base}/{CLOCK}"
 
 
+def clock_about_prefix(base: str, about: str) -> str:
+    """Where the nodes record their findings about node `about`'s clock, one key each."""
+    return f"{clock_prefix(base)}{segment(about)}/"
+
+
 def clock_key(base: str, about: str, by: str) -> str:
     """Where node `by` records how far node `about`'s clock is ahead of its own."""
-    return f"{clock_prefix(base)}{segment(about)}/{segment(by)}"
+    return f"{clock_about_prefix(base, about)}{segment(by)}"
 
 
 def history_key(base: str, occurrence: str, manual: bool = False) -> str:
