@@ -270,3 +270,9 @@ def test_a_key_consul_refuses_is_a_plain_error_not_a_retry(consul: Agent, strict
     with pytest.raises(ConsulProtocolError, match="invalid key name"):
         client.kv_get("consulrun/x/history/2026-01-01T00:00:00Z")
     assert len(strict.refusals) == 1
+    with FaultProxy(consul.http_addr, strict_keys=True, refused_status=500) as as_500:  # as #22835's UI showed it
+        from consulrun.errors import ConsulUnavailable
+
+        with pytest.raises(ConsulUnavailable, match="invalid key name") as raised:
+            Client(ConsulConfig.from_env({}, address=as_500.address)).kv_get("consulrun/x/a b")
+        assert not raised.value.transient  # not an election: no retrying for minutes

@@ -7,7 +7,9 @@ an election does, without forwarding: nothing is written) or loses the answer
 answer). Everything else is forwarded as it is, on loopback only.
 
 With `strict_keys`, it also answers as Consul 1.21.5 did to a KV key outside
-that release's rule (hashicorp/consul#22822, #22835): 400 and its message,
+that release's rule (hashicorp/consul#22822, #22835): its message, with 400
+(`refused_status`; the UI in #22835 printed "500: invalid key name ...", so
+1.21.5 may have answered 500, which consulrun takes for Consul unavailable),
 for the key in any /v1/kv/ path and for every KV operation of a /v1/txn body
 (1.21.5 checked the KV endpoints; a later release may check transactions
 too, so this is the stricter of the two). Nothing refused is forwarded, and
@@ -61,10 +63,11 @@ class Rule:
 
 
 class FaultProxy:
-    def __init__(self, upstream: str, strict_keys: bool = False) -> None:
+    def __init__(self, upstream: str, strict_keys: bool = False, refused_status: int = 400) -> None:
         host, port = upstream.rsplit(":", 1)
         self.rules: list[Rule] = []
         self.strict_keys = strict_keys
+        self.refused_status = refused_status
         self.refusals: list[str] = []  # "METHOD path: key" of each request refused for its key
         self.requests: list[str] = []  # "METHOD path" of every request, with strict_keys: what was exercised
         self._lock = threading.Lock()
@@ -84,7 +87,7 @@ class FaultProxy:
                         proxy.requests.append(f"{self.command} {self.path}\n{body.decode('utf-8', 'replace')}")
                         proxy.refusals += [f"{self.command} {self.path}: {key}" for key in bad]
                     if bad:
-                        return self._answer(400, KV_KEY_REFUSED)
+                        return self._answer(proxy.refused_status, KV_KEY_REFUSED)
                 rule = proxy._match(self.command, self.path, body)
                 if rule and rule.then:
                     rule.then(self.path + "\n" + body.decode("utf-8", "replace"))
