@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from consulrun.protocol.keys import stamp
 from consulrun.errors import ManifestError
 from consulrun.manifest.loader import parse_manifest
 from tests.harness.agents import Agent, Cluster, wait_for
@@ -112,20 +113,20 @@ def test_a_parent_s_end_is_a_request_written_with_its_result_and_the_child_runs_
     assert code == 0 and "no run after parent is pending" in err, err  # nothing asked: a skip, nothing written
     code, _, err = _parent(tmp_path)
     assert code == 0, err
-    request = kv_json(consul, f"consulrun/child/after/parent/{occ}")
+    request = kv_json(consul, f"consulrun/child/after/parent/{stamp(occ)}")
     assert request and request["parent"] == "parent" and request["occurrence"] == occ, request
     assert request["state"] == "done" and request["exit_status"] == 0 and request["node"] == "dev1", request
-    assert kv_json(consul, f"consulrun/onfail/after/parent/{occ}") is None  # on: failure, and it succeeded
+    assert kv_json(consul, f"consulrun/onfail/after/parent/{stamp(occ)}") is None  # on: failure, and it succeeded
     # The request and the parent's result came in one transaction: the same index.
-    record = consul.get("kv/consulrun/parent/history/" + occ)
-    req_entry = consul.get(f"kv/consulrun/child/after/parent/{occ}")
+    record = consul.get("kv/consulrun/parent/history/" + stamp(occ))
+    req_entry = consul.get(f"kv/consulrun/child/after/parent/{stamp(occ)}")
     assert record[0]["ModifyIndex"] == req_entry[0]["ModifyIndex"], (record, req_entry)
 
     code, _, err = _child(tmp_path)
     assert code == 0, err
     assert (tmp_path / "child").read_text() == f"parent {occ} done 0 {occ}~after~parent\n"
-    assert kv_json(consul, f"consulrun/child/after/parent/{occ}") is None  # consumed
-    entry = kv_json(consul, f"consulrun/child/history/{occ}~after~parent")
+    assert kv_json(consul, f"consulrun/child/after/parent/{stamp(occ)}") is None  # consumed
+    entry = kv_json(consul, f"consulrun/child/history/{stamp(occ)},after,parent")
     assert entry and entry["state"] == "done" and entry["exit_status"] == 0, entry
     assert entry["after"] == {"job": "parent", "occurrence": occ, "state": "done", "exit_status": 0, "node": "dev1",
                               "ended": request["ended"]}, entry
@@ -134,11 +135,11 @@ def test_a_parent_s_end_is_a_request_written_with_its_result_and_the_child_runs_
     assert (tmp_path / "child").read_text().count("\n") == 1
 
     # Written again (a forged or re-recorded request): its history entry keeps the run to one.
-    _put(consul, f"consulrun/child/after/parent/{occ}", base64.b64decode(req_entry[0]["Value"]).decode())
+    _put(consul, f"consulrun/child/after/parent/{stamp(occ)}", base64.b64decode(req_entry[0]["Value"]).decode())
     code, _, err = _child(tmp_path)
     assert code == 0 and "has run already" in err, err
     assert (tmp_path / "child").read_text().count("\n") == 1
-    assert kv_json(consul, f"consulrun/child/after/parent/{occ}") is None  # the spent request removed
+    assert kv_json(consul, f"consulrun/child/after/parent/{stamp(occ)}") is None  # the spent request removed
 
     code, out, err = finish(consulrun("history", "--prefix", "consulrun", "child"))
     assert code == 0 and f"after parent {occ} (exit 0)" in out, (out, err)
@@ -187,8 +188,8 @@ def test_on_failure_follows_a_failed_final_attempt_and_not_the_retried_ones(cons
     code, _, err = _parent(tmp_path, 3, "--attempts", "2", "--retry-backoff", "0s")
     assert code == 3, err
     assert (tmp_path / "parent").read_text() == "parent\nparent\n"
-    assert kv_json(consul, f"consulrun/child/after/parent/{occ}") is None  # on: success
-    request = kv_json(consul, f"consulrun/onfail/after/parent/{occ}")
+    assert kv_json(consul, f"consulrun/child/after/parent/{stamp(occ)}") is None  # on: success
+    request = kv_json(consul, f"consulrun/onfail/after/parent/{stamp(occ)}")
     assert request and request["exit_status"] == 3, request
     code, _, err = _child(tmp_path, "onfail")
     assert code == 0, err
@@ -201,13 +202,13 @@ def test_a_chained_run_past_the_child_s_start_deadline_is_recorded_missed_and_a_
     import json
 
     def request(occ: str, ended: str) -> None:
-        _put(consul, f"consulrun/child/after/parent/{occ}", json.dumps(
+        _put(consul, f"consulrun/child/after/parent/{stamp(occ)}", json.dumps(
             {"parent": "parent", "occurrence": occ, "state": "done", "exit_status": 0, "node": "x", "ended": ended}))
 
     request("2020-01-01T00:00:00Z", "2020-01-01T00:00:05Z")
     code, _, err = _child(tmp_path, "child", "--start-deadline", "1h")
     assert code == 0 and "recorded it missed" in err, err
-    entry = kv_json(consul, "consulrun/child/history/2020-01-01T00:00:00Z~after~parent")
+    entry = kv_json(consul, "consulrun/child/history/20200101T000000Z,after,parent")
     assert entry and entry["state"] == "missed" and "start_deadline" in entry["reason"], entry
     assert not (tmp_path / "child").exists()
     assert finish(consulrun("pause", "--prefix", "consulrun", "child"))[0] == 0
@@ -218,7 +219,7 @@ def test_a_chained_run_past_the_child_s_start_deadline_is_recorded_missed_and_a_
     code, _, err = _child(tmp_path)
     assert code == 0 and "recorded it skipped" in err, err
     assert not (tmp_path / "child").exists()
-    assert kv_json(consul, "consulrun/child/after/parent/2026-01-01T00:00:00Z") is None
+    assert kv_json(consul, "consulrun/child/after/parent/20260101T000000Z") is None
 
 
 @pytest.mark.consul
@@ -234,7 +235,7 @@ def test_a_chained_run_keeps_to_the_child_s_placement(consul: Agent, tmp_path: P
     assert _parent(tmp_path)[0] == 0
     code, _, err = _child(tmp_path, "child", "--node-name", "elsewhere")
     assert code == 0 and "is not one the job runs on" in err, err
-    assert kv_json(consul, f"consulrun/child/after/parent/{occ}") is not None and not (tmp_path / "child").exists()
+    assert kv_json(consul, f"consulrun/child/after/parent/{stamp(occ)}") is not None and not (tmp_path / "child").exists()
     client = Client(ConsulConfig.from_env({}, address=consul.http_addr))
     assert not _may_run_here(client, Placement(names=("elsewhere",)))
     assert _may_run_here(client, Placement(names=("dev*",)))
@@ -246,13 +247,13 @@ def test_chained_runs_keep_the_history_to_its_size(consul: Agent, tmp_path: Path
     import json
 
     for occ in ("2026-01-01T00:00:00Z", "2026-01-02T00:00:00Z", "2026-01-03T00:00:00Z"):
-        _put(consul, f"consulrun/child/after/parent/{occ}", json.dumps(
+        _put(consul, f"consulrun/child/after/parent/{stamp(occ)}", json.dumps(
             {"parent": "parent", "occurrence": occ, "state": "done", "exit_status": 0, "node": "x", "ended": occ}))
         code, _, err = _child(tmp_path, "child", "--history", "2")
         assert code == 0, err
     keys = consul.get("kv/consulrun/child/history/", params={"keys": ""})
-    assert keys == ["consulrun/child/history/2026-01-02T00:00:00Z~after~parent",
-                    "consulrun/child/history/2026-01-03T00:00:00Z~after~parent"], keys
+    assert keys == ["consulrun/child/history/20260102T000000Z,after,parent",
+                    "consulrun/child/history/20260103T000000Z,after,parent"], keys
 
 
 @pytest.mark.consul
@@ -298,7 +299,7 @@ def test_a_request_left_while_no_node_watched_runs_when_a_watcher_comes_back(con
     from consulrun.protocol.chainwatch import watch
 
     assert _parent(tmp_path)[0] == 0  # nobody watches
-    _put(consul, "consulrun/child/after/gone/2026-01-01T00:00:00Z", json.dumps(
+    _put(consul, "consulrun/child/after/gone/20260101T000000Z", json.dumps(
         {"parent": "gone", "occurrence": "2026-01-01T00:00:00Z", "state": "done", "exit_status": 0, "node": "x",
          "ended": "2026-01-01T00:00:01Z"}))
 
@@ -376,13 +377,13 @@ def test_the_parent_s_node_dies_right_after_finishing_and_the_child_runs_once_el
         from datetime import datetime, timezone
 
         occ = f"{datetime.now(timezone.utc).year}-01-01T00:00:00Z"
-        wait_for(lambda: (kv_json(node1, f"consulrun/b/history/{occ}~after~a") or {})
+        wait_for(lambda: (kv_json(node1, f"consulrun/b/history/{stamp(occ)},after,a") or {})
                  .get("state") == "done", 90, "B's run after A")
-        wait_for(lambda: in_flight[0] == 0 and kv_json(node1, f"consulrun/b/after/a/{occ}") is None, 60,
+        wait_for(lambda: in_flight[0] == 0 and kv_json(node1, f"consulrun/b/after/a/{stamp(occ)}") is None, 60,
                  "the watchers' starts to end")
         lines = ran.read_text().splitlines()
         assert len(lines) == 1 and lines[0].split()[0] == occ and lines[0].split()[1] in ("node1", "node3"), lines
-        entry = kv_json(node1, f"consulrun/b/history/{occ}~after~a")
+        entry = kv_json(node1, f"consulrun/b/history/{stamp(occ)},after,a")
         assert entry["after"]["node"] == "node2" and entry["node"] == lines[0].split()[1], entry
     finally:
         stop.set()

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from consulrun.protocol import keys as kvkeys
 from tests.conftest import artifact_dir, container_binds, require_tool
 from tests.harness.agents import wait_for
 from tests.harness.netns import Network
@@ -113,7 +114,7 @@ def _history(ctr: Container, consul: str, job: str) -> dict[str, dict]:
     out = ctr.exec(consul, "kv", "export", f"consulrun/{job}/history/", check=False)
     if out.returncode != 0:
         return {}
-    return {e["key"].rsplit("/", 1)[1]: json.loads(base64.b64decode(e["value"])) for e in json.loads(out.stdout)}
+    return {kvkeys.history_order(e["key"])[0]: json.loads(base64.b64decode(e["value"])) for e in json.loads(out.stdout)}
 
 
 def _settled(ctr: Container, unit: str) -> bool:

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import requests
 
+from consulrun.protocol.keys import stamp
 from consulrun.errors import ManifestError
 from consulrun.manifest.loader import load_manifest
 from consulrun.protocol.eachnode import SLOTS_FULL_MISSED, node_key, node_of_key
@@ -103,7 +104,7 @@ def test_every_node_runs_the_occurrence_once_never_more_than_n_at_once_and_then_
     for agent in cluster.agents:
         record = records[f"consulrun/{job}/nodes/{agent.name}/occurrence"]
         assert record["state"] == "done" and record["node"] == agent.name and record["exit_status"] == 0, record
-        assert f"consulrun/{job}/nodes/{agent.name}/history/{record['occurrence']}" in records
+        assert f"consulrun/{job}/nodes/{agent.name}/history/{stamp(record['occurrence'])}" in records
     # Done everywhere: a node's second start skips on one read-only transaction (the agent's own writes may land in
     # one window, not in all three).
     for agent in cluster.agents[1:2] + cluster.agents[3:]:

@@ -23,6 +23,7 @@ import requests
 
 from consulrun.manifest import calendar
 from consulrun.errors import UsageError
+from consulrun.protocol import keys as kvkeys
 from consulrun.protocol.fencing import Fencing, stop_timeout_ms
 from tests.harness.agents import Agent, wait_for
 from tests.test_run import SKIP, consulrun, finish, gated_job, kv_json, lock_entry, pid_alive
@@ -307,12 +308,12 @@ def test_fenced_run_is_recorded_lost_and_rerun_only_under_retry(consul: Agent, t
     assert finish(runner)[0] == 75
     record = kv_json(consul, "consulrun/lostjob/occurrence")
     assert record["state"] == "lost" and record["reason"]
-    assert kv_json(consul, f"consulrun/lostjob/history/{OCC}")["state"] == "lost"
+    assert kv_json(consul, kvkeys.history_key("consulrun/lostjob", OCC))["state"] == "lost"
     code, _, err = finish(consulrun(*common, "--", "touch", str(again)), timeout=60)
     if policy == "retry":
         assert code == 0, err
         assert again.exists()
-        final = kv_json(consul, f"consulrun/lostjob/history/{OCC}")
+        final = kv_json(consul, kvkeys.history_key("consulrun/lostjob", OCC))
         assert final["state"] == "done" and final["attempt"] == 2
         assert final["earlier"][0]["state"] == "lost" and final["earlier"][0]["node"] == "dev1"
     else:

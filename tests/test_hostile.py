@@ -22,7 +22,7 @@ import pytest
 import requests
 
 from consulrun.manifest import calendar
-from consulrun.protocol import procinfo
+from consulrun.protocol import keys as kvkeys, procinfo
 from tests.harness.agents import Agent, free_port, wait_for
 from tests.test_remote import MANIFEST, Sshd, _install, sshd  # noqa: F401 - the fixture is used by name
 from tests.test_run import consulrun, finish, kv_json, lock_entry
@@ -354,7 +354,7 @@ def test_a_forged_trigger_with_a_line_break_is_not_consumed_and_adds_no_journal_
     assert "consulrun: j1: all is well" not in err.splitlines(), err
     assert "ignoring the trigger request" in err and "`by`" in err, err
     assert kv_json(consul, "consulrun/j1/trigger") == trigger  # not consumed
-    assert not [k for k in consul.get("kv/consulrun/j1/", params={"keys": "true"}) if k.endswith("~manual")]
+    assert not [k for k in consul.get("kv/consulrun/j1/", params={"keys": "true"}) if kvkeys.is_manual(k)]
 
 
 def test_a_nodes_ssh_output_reaches_the_terminal_escaped(sshd: Sshd, tmp_path: Path) -> None:

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from consulrun.protocol import keys as kvkeys
 from tests.conftest import artifact_dir, container_binds, require_tool
 from tests.harness.agents import consul_binary as consul_bin_path
 from tests.harness.agents import wait_for
@@ -486,7 +487,7 @@ def test_three_nodes_over_ssh_every_occurrence_once(three_nodes, tmp_path: Path,
 
     def recorded() -> dict[str, dict]:
         exported = json.loads(nodes[0].exec(consul_bin_path(), "kv", "export", "consulrun/every5/history/").stdout)
-        return {e["key"].rsplit("/", 1)[1]: json.loads(base64.b64decode(e["value"])) for e in exported}
+        return {kvkeys.history_order(e["key"])[0]: json.loads(base64.b64decode(e["value"])) for e in exported}
 
     try:
         wait_for(lambda: due <= {occ for occ, _ in runs()} and

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from consulrun.protocol import keys as kvkeys
 from tests.harness.agents import Agent, Cluster, wait_for
 from tests.test_occurrence import _skip_writes, history, skewed
 from tests.test_run import SKIP, consulrun, finish, kv_json
@@ -256,14 +257,15 @@ def test_a_late_write_about_the_previous_occurrence_does_not_keep_a_miss_from_be
     assert client.txn([kv_op("set", ledger.record_key, running)]) is not None
     stale = ledger.snapshot(consistent=True)
     late = {**running, "state": "lost", "reason": "fenced"}  # as the fenced runner writes it: record and history
-    assert client.txn([kv_op("set", ledger.record_key, late), kv_op("set", ledger.history_prefix + previous, late)])
+    assert client.txn([kv_op("set", ledger.record_key, late), kv_op("set", ledger.history_key(previous), late)])
     occ = occurrence.Occurrence(id=due, when=datetime(2026, 12, 1, 10, 0, 10, tzinfo=timezone.utc),
                                 specs=("*:*:0/10",), next_when=None)
     said = occurrence._record_missed(Locker(client, spec), ledger, occ, stale)
     assert said.endswith("; recorded it missed"), said
     record = kv_json(consul, "consulrun/latewrite/occurrence")
     assert (record["occurrence"], record["state"]) == (due, "missed"), record
-    assert kv_json(consul, f"consulrun/latewrite/history/{previous}")["state"] == "lost"  # the late write stands too
+    late_entry = kv_json(consul, kvkeys.history_key("consulrun/latewrite", previous))
+    assert late_entry["state"] == "lost"  # the late write stands too
 
 
 def _two_hours_ago() -> str:

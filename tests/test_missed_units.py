@@ -25,6 +25,7 @@ from pathlib import Path
 
 import pytest
 
+from consulrun.protocol import keys as kvkeys
 from tests.conftest import container_binds, require_tool
 from tests.harness.agents import wait_for
 from tests.harness.netns import Network
@@ -136,9 +137,9 @@ def test_a_broken_lock_costs_one_occurrence_recorded_missed_and_the_next_waits_l
     assert all(n == 1 for n in ran.values()), ran  # still never twice
     missed, waited = _occ(broken + 10), _occ(broken + 20)
     assert missed not in ran and waited in ran and _occ(broken + 30) in ran, sorted(ran)
-    entry = history[f"consulrun/tick/history/{missed}"]
+    entry = history[kvkeys.history_key("consulrun/tick", missed)]
     assert entry["state"] == "missed" and "lock-delay" in entry["reason"], entry
-    assert history[f"consulrun/tick/history/{_occ(broken)}"]["state"] == "lost"
+    assert history[kvkeys.history_key("consulrun/tick", _occ(broken))]["state"] == "lost"
     said = "\n".join(journals.values())
     assert f"skipped: could not claim occurrence {missed}: lock-delay" in said, said
     assert "recorded it missed" in said

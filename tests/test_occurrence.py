@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from consulrun.protocol import keys as kvkeys
 from tests.conftest import require_tool
 from tests.harness.agents import Agent, Cluster, wait_for
 from tests.test_run import SKIP, consulrun, finish, gated_job, kv_json
@@ -38,7 +39,8 @@ def skewed(offset_s: float) -> dict[str, str]:
 
 def history(agent: Agent, job: str) -> dict[str, dict]:
     entries = agent.get(f"kv/consulrun/{job}/history/", params={"recurse": "true"})
-    return {e["Key"].rsplit("/", 1)[1]: json.loads(base64.b64decode(e["Value"])) for e in entries}
+    return {kvkeys.history_order(e["Key"])[0] + (kvkeys.MANUAL if kvkeys.is_manual(e["Key"]) else ""):
+            json.loads(base64.b64decode(e["Value"])) for e in entries}
 
 
 def staggered(args_for: list[list[str]], gap_s: float, envs: list[dict[str, str]] | None = None) -> list[tuple[int, str, str]]:
@@ -246,17 +248,22 @@ def test_history_keeps_the_newest_n(consul: Agent) -> None:
 
 def test_history_prunes_occurrences_and_manual_runs_apart_at_most_50_deletes_a_run(consul: Agent) -> None:
     """--history N keeps the newest N occurrences and, counted apart, the newest N manual runs; one run deletes at
-    most 50 entries (its transaction must stay under Consul's 64 operations), the next run goes on."""
+    most 50 entries in all, oldest occurrences first (its transaction must stay under Consul's 64 operations), the
+    next run goes on."""
     old = [f"2000-01-01T{n // 60:02d}:{n % 60:02d}:00Z" for n in range(60)]
-    manual = [f"2000-01-01T00:{n:02d}:30Z~manual" for n in range(3)]
-    for name in old + manual:
-        consul.api("PUT", f"kv/consulrun/prunecap/history/{name}", data=json.dumps({"occurrence": name[:20]}))
+    manual = [f"2000-01-01T00:{n:02d}:30Z" for n in range(3)]
+    for name in old:
+        consul.api("PUT", f"kv/{kvkeys.history_key('consulrun/prunecap', name)}", data=json.dumps({"occurrence": name}))
+    for name in manual:
+        consul.api("PUT", f"kv/{kvkeys.history_key('consulrun/prunecap', name, manual=True)}",
+                   data=json.dumps({"manual": True, "started": name}))
+    manual = [name + kvkeys.MANUAL for name in manual]  # as history() names them
     args = ["run", "--schedule", YEARLY, "--history", "2", "prunecap", "--", "true"]
     code, _, err = finish(consulrun(*args))
     assert code == 0, err
     this = f"{datetime.now(timezone.utc).year}-01-01T00:00:00Z"
     kept = sorted(history(consul, "prunecap"))
-    assert kept == sorted(old[50:] + [this] + manual[1:]), kept
+    assert kept == sorted(old[50:] + [this] + manual), kept
     consul.api("DELETE", "kv/consulrun/prunecap/occurrence")  # a later occurrence, as far as the ledger knows
     code, _, err = finish(consulrun(*args))
     assert code == 0, err

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from consulrun.protocol import keys as kvkeys
 from consulrun.protocol.retries import ATTEMPTS_MAX, RetryPolicy
 from tests.harness.agents import Agent, wait_for
 from tests.test_health import catalog, checks, register  # noqa: F401 - catalog is a fixture, by name
@@ -336,7 +337,7 @@ def test_a_manual_run_is_retried_and_its_history_entry_holds_every_attempt(consu
     assert code == 0 and "for a manual run asked for by op@host" in err, err
     assert [a for a, _ in attempts(runs)] == [1, 2]
     keys = [k for k in (consul.get("kv/consulrun/asked/history/?keys") or [])]
-    assert len(keys) == 1 and keys[0].endswith("~manual"), keys
+    assert len(keys) == 1 and kvkeys.is_manual(keys[0]), keys
     rows = history("asked")
     assert [(r["attempt"], r["exit_status"], r["retried"], r["manual"]) for r in rows if r["manual"]] == [
         (2, 0, False, True), (1, 3, True, True)], rows

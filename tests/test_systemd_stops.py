@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from consulrun.protocol import keys as kvkeys
 from tests.conftest import container_binds, require_tool
 from tests.harness.agents import consul_binary, wait_for
 from tests.harness.netns import Network
@@ -109,7 +110,7 @@ def runner(nodes: list[Container], name: str, occ: str, seen: str = "start",
 
 
 def occurrence_record(ctr: Container, name: str, occ: str) -> dict:
-    out = ctr.exec(consul_binary(), "kv", "get", f"consulrun/{name}/history/{occ}", check=False)
+    out = ctr.exec(consul_binary(), "kv", "get", kvkeys.history_key(f"consulrun/{name}", occ), check=False)
     return json.loads(out.stdout) if out.returncode == 0 else {}
 
 

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from consulrun.protocol import keys as kvkeys
 from tests.harness.agents import Agent, wait_for
 from tests.test_faults import stop_agent_in
 from tests.test_run import consulrun, finish, gated_job, kv_json
@@ -64,7 +65,7 @@ def test_a_trigger_beside_a_done_occurrence_is_run_once_as_manual_by_the_run_it_
     datetime.fromisoformat(entry["requested_at"].replace("Z", "+00:00"))
     assert entry["node"] == "dev1" and len(entry["session"]) == 36 and entry["started"].endswith("Z"), entry
     keys = consul.get("kv/consulrun/manualjob/history/?keys")
-    assert f"consulrun/manualjob/history/{entry['started']}~manual" in keys, keys
+    assert kvkeys.history_key("consulrun/manualjob", entry["started"], manual=True) in keys, keys
     assert ran.read_text() == "x\nx\n"
     assert requests_get(consul, "kv/consulrun/manualjob/trigger") == 404  # consumed
     code, _, err = finish(consulrun(*run))
@@ -159,7 +160,7 @@ def test_trigger_runs_once_through_the_unit_beside_its_timer(systemd_container, 
                 spans.append((opened, float(line[1])))
                 opened = None
         exported = json.loads(ctr.exec(consul_bin, "kv", "export", "consulrun/trigjob/history/").stdout)
-        entries = [json.loads(base64.b64decode(e["value"])) for e in exported if e["key"].endswith("~manual")]
+        entries = [json.loads(base64.b64decode(e["value"])) for e in exported if kvkeys.is_manual(e["key"])]
         assert len(entries) == 1 and entries[0]["manual"] is True and entries[0]["state"] == "done"
         assert entries[0]["requested_by"].startswith("root@")
     finally:
@@ -190,7 +191,7 @@ def test_trigger_right_after_install_runs_a_manual_run(systemd_container, consul
         exported = json.loads(ctr.exec(consul_bin, "kv", "export", "consulrun/freshjob/").stdout)
         keys = {e["key"] for e in exported}
         assert "consulrun/freshjob/occurrence" not in keys, keys  # the never-run occurrence is left alone
-        assert [k for k in keys if k.endswith("~manual")], keys
+        assert [k for k in keys if kvkeys.is_manual(k)], keys
     finally:
         ctr.systemctl("stop", "consulrun-freshjob.timer", "consulrun-freshjob.service", check=False)
         stop_agent_in(ctr, consul_bin, agent)
@@ -267,8 +268,9 @@ def test_trigger_among_three_nodes_runs_once_as_manual(three_timers, consul_bin:
     assert len(manual) == 1 and manual[0][3] == nodes[target].name, log
 
     exported = json.loads(nodes[0].exec(consul_bin, "kv", "export", f"consulrun/{job}/history/").stdout)
-    history = {e["key"].rsplit("/", 1)[1]: json.loads(base64.b64decode(e["value"])) for e in exported}
-    manual_records = [r for k, r in history.items() if k.endswith("~manual")]
+    history = {kvkeys.history_order(e["key"])[0] + (kvkeys.MANUAL if kvkeys.is_manual(e["key"]) else ""):
+               json.loads(base64.b64decode(e["value"])) for e in exported}  # by the time each names
+    manual_records = [r for k, r in history.items() if kvkeys.is_manual(k)]
     assert len(manual_records) == 1, manual_records
     record = manual_records[0]
     assert record["manual"] is True and record["state"] == "done" and record["exit_status"] == 0

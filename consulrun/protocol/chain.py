@@ -34,7 +34,7 @@ from datetime import datetime, timezone
 from consulrun.consul.client import decoded, kv_op
 from consulrun.consul.values import printable
 from consulrun.errors import ConsulrunError, MalformedValue
-from consulrun.protocol import pause
+from consulrun.protocol import keys, pause
 from consulrun.protocol.lock import describe_holder, now_iso
 from consulrun.records import record
 from consulrun.timefmt import duration
@@ -48,14 +48,13 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("consulrun")
 
-REQUESTS = "after"
-SEPARATOR = "~after~"  # no job name holds a `~`: `<run>~after~<parent>` splits at its last one
+SEPARATOR = keys.CHAIN_SEPARATOR  # no job name holds a `~`: `<run>~after~<parent>` splits at its last one
 ON_VALUES = ("success", "failure", "always")
 WHERE_IT_RAN = ("host", "unit", "invocation_id")  # occurrence.WHERE_IT_RAN
 
 
 def requests_prefix(base: str) -> str:
-    return f"{base}/{REQUESTS}/"
+    return keys.after_prefix(base)
 
 
 def succeeded(result: dict[str, Any]) -> bool:
@@ -83,7 +82,7 @@ def then_ops(prefix: str, parent: str, final: dict[str, Any],
     request = {"parent": parent, "occurrence": rid, "state": final.get("state"),
                "exit_status": final.get("exit_status"), "node": final.get("node"),
                "ended": final.get("ended") or now_iso()}
-    return [kv_op("set", f"{prefix}/{child}/{REQUESTS}/{parent}/{rid}", request)
+    return [kv_op("set", keys.chain_request_key(keys.job_base(prefix, child), parent, rid), request)
             for child, on in thens if ends_as(on, final)]
 
 
@@ -108,7 +107,8 @@ def read_requests(entries: dict[str, dict[str, Any]], base: str) -> list[Request
     for key, entry in entries.items():
         if not key.startswith(prefix):
             continue
-        parent, _, occ = key[len(prefix):].partition("/")
+        parent_segment, _, run_segment = key[len(prefix):].partition("/")
+        parent, occ = keys.unsegment(parent_segment), keys.run_of_segment(run_segment) if run_segment else ""
         try:
             value = decoded(entry)
             why = None if value.get("parent") == parent and value.get("occurrence") == occ and occ else \
@@ -136,7 +136,7 @@ def _settle_ops(ledger: Ledger, request: Request, state: str, reason: str, node:
     entry = {"run": request.run, "after": _parent_of(request), "state": state, "node": None, "recorded_by": node,
              "reason": reason, "ended": now_iso()}
     return [kv_op("delete-cas", request.key, Index=request.index),
-            kv_op("cas", ledger.history_prefix + request.run, entry, Index=0)]
+            kv_op("cas", ledger.manual_key({'after': True, 'run': request.run}), entry, Index=0)]
 
 
 def _parent_of(request: Request) -> dict[str, Any]:
@@ -191,7 +191,7 @@ def acquire(locker: Locker, ledger: Ledger, parents: tuple[str, ...], start_dead
                              "node": holder.get("node"), "session": holder.get("session"),
                              "started": holder.get("started"), **{k: holder[k] for k in WHERE_IT_RAN if holder.get(k)}}
         return [kv_op("delete-cas", request.key, Index=request.index),
-                kv_op("cas", ledger.history_prefix + request.run, claimed["record"], Index=0),
+                kv_op("cas", ledger.manual_key({'after': True, 'run': request.run}), claimed["record"], Index=0),
                 pause.unchanged_op(base, pause_index)]
 
     held = locker.try_once({ledger.lock_key: lock} if lock else {}, claim=claim)
@@ -203,7 +203,7 @@ def acquire(locker: Locker, ledger: Ledger, parents: tuple[str, ...], start_dead
 def _lost_race(locker: Locker, ledger: Ledger, request: Request) -> str:
     """Why the claim failed; a request whose run is in the history already (written again after it ran) is
     removed, so it does not start the job again and again."""
-    _, entry = locker.client.kv_get(ledger.history_prefix + request.run, consistent=True)
+    _, entry = locker.client.kv_get(ledger.manual_key({'after': True, 'run': request.run}), consistent=True)
     if entry is None:
         return f"the run after {request.parent}'s {request.occurrence} was taken by another node first"
     try:

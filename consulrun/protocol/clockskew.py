@@ -26,6 +26,7 @@ import re
 from datetime import datetime, timezone
 
 from consulrun.consul.client import decoded, kv_op
+from consulrun.protocol import keys
 from consulrun.timefmt import parse_time
 
 TYPE_CHECKING = False  # typing's own flag without importing typing on every run
@@ -77,21 +78,20 @@ MAX_CORRECTION_S = 300.0  # beyond it a record is refused as from the future (oc
 _NODE_NAME = re.compile(r"^[a-zA-Z0-9_.\-]{1,128}$")  # inside Consul's strictest key rule
 
 
-def clock_prefix(base: str) -> str:
-    return f"{base}/clock/"
+clock_prefix = keys.clock_prefix
 
 
 def _findings(entries: dict[str, dict[str, Any]], base: str, about: str) -> dict[str, dict[str, Any]]:
     """accuser -> finding (ahead_s, at) about node `about`, from the entries under the job's clock prefix."""
     found = {}
-    prefix = f"{clock_prefix(base)}{about}/"
+    prefix = keys.clock_about_prefix(base, about)
     for key, entry in entries.items():
         if not key.startswith(prefix):
             continue
         value = decoded(entry)
         ahead, at = value.get("ahead_s"), parse_time(value.get("at"))
         if isinstance(ahead, (int, float)) and not isinstance(ahead, bool) and at is not None:
-            found[key[len(prefix):]] = {"ahead_s": float(ahead), "at": at}
+            found[keys.unsegment(key[len(prefix):])] = {"ahead_s": float(ahead), "at": at}
     return found
 
 
@@ -120,7 +120,7 @@ def finding_ops(entries: dict[str, dict[str, Any]], base: str, record: dict[str,
         return []
     value = {"node": accused, "by": me, "ahead_s": round(lead, 1), "at": now_iso_of(now),
              "occurrence": record.get("occurrence")}
-    return [kv_op("set", f"{clock_prefix(base)}{accused}/{me}", value)]
+    return [kv_op("set", keys.clock_key(base, accused, me), value)]
 
 
 def now_iso_of(now: datetime) -> str:

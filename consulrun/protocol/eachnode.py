@@ -38,7 +38,7 @@ from datetime import datetime, timezone
 from consulrun.consul.client import Client, decoded, kv_op
 from consulrun.consul.values import printable
 from consulrun.errors import ConsulUnavailable
-from consulrun.protocol import pause
+from consulrun.protocol import keys, pause
 from consulrun.protocol.lock import Held, LockDelayRetry, Locker, clock, describe_holder
 from consulrun.protocol.occurrence import (
     ABANDONED_REASON,
@@ -58,37 +58,18 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("consulrun")
 
-# A node name's characters that stand for themselves in a key; any other byte is written =XX (its hex), so
-# every key stays inside Consul 1.21.5's rule (^[a-zA-Z0-9,_./\-?&=]+$) and two names never share a key.
-_PLAIN = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-.")
 SLOTS_FULL_MISSED = ("every slot was held (lock.concurrency nodes at a time) until the node's next occurrence was "
                      "due")
 
 
 def node_key(node: str) -> str:
-    """`node` as one KV path segment: letters, digits, `_-.` as they are (a leading dot escaped, so no segment is
-    `.` or `..`), every other byte as =XX."""
-    out = []
-    for i, byte in enumerate(node.encode("utf-8")):
-        char = chr(byte)
-        out.append(char if char in _PLAIN and not (i == 0 and char == ".") else f"={byte:02X}")
-    return "".join(out) or "=00"
+    """`node` as one KV path segment (keys.segment: a plain name is itself, any other byte `=XX`)."""
+    return keys.segment(node)
 
 
 def node_of_key(segment: str) -> str:
     """The node name `node_key` made `segment` from (what `status` lists; it never trusts a record's `node`)."""
-    raw, i = bytearray(), 0
-    while i < len(segment):
-        if segment[i] == "=" and i + 3 <= len(segment):
-            try:
-                raw.append(int(segment[i + 1:i + 3], 16))
-                i += 3
-                continue
-            except ValueError:
-                pass
-        raw += segment[i].encode("utf-8")
-        i += 1
-    return raw.decode("utf-8", "replace") if segment != "=00" else ""
+    return keys.unsegment(segment)
 
 
 class NodeLedger(Ledger):
@@ -101,12 +82,12 @@ class NodeLedger(Ledger):
     def __init__(self, client: Client, base: str, node: str, slot_keys: list[str], history_size: int,
                  health_prefix: str | None = None) -> None:
         super().__init__(client, base, history_size, health_prefix)
-        own = f"{base}/nodes/{node_key(node)}"
+        own = keys.node_prefix(base, node)
         self.node = node
-        self.record_key = f"{own}/occurrence"
-        self.history_prefix = f"{own}/history/"
+        self.record_key = own + keys.OCCURRENCE
+        self.history_prefix = own + keys.HISTORY
         self.slot_keys = slot_keys
-        self.slots_prefix = slot_keys[0] if len(slot_keys) == 1 else f"{base}/slots/"
+        self.slots_prefix = slot_keys[0] if len(slot_keys) == 1 else keys.slots_prefix(base)
         self.lock_key = slot_keys[0]  # overridden per run by the slot held (see `snapshot`)
 
     def look(self, consistent: bool = False) -> tuple[Snapshot, dict[str, dict[str, Any]]]:

@@ -5,7 +5,10 @@ The keys are read, shown, and deleted with check-and-set: every key by
 that was absent checked still absent. A run that takes the lock (or claims an
 occurrence) between the look and the delete changes one of those indexes, so
 Consul rolls the whole transaction back and nothing is deleted; a slot key
-a run creates meanwhile is simply not among the keys deleted.
+a run creates meanwhile is simply not among the keys deleted. An old
+history or pause entry whose key is outside Consul's strict rule (keys.py)
+cannot be named in a request a strict Consul takes: it goes with a
+`delete-tree` of its hour's prefix, which reaches no other kind of key.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from typing import Any
 
 from consulrun.consul.client import Client, decoded, kv_op
 from consulrun.errors import ConsulrunError
-from consulrun.protocol import health, testhook
+from consulrun.protocol import health, keys, testhook
 
 MAX_TXN_OPS = 128  # Consul refuses a transaction of more operations
 GUARDED = ("lock", "occurrence")  # a starting run writes one of these first: absent ones must stay absent
@@ -32,9 +35,14 @@ class Forgetting:
     base: str
     keys: dict[str, int] = field(default_factory=dict)
     check: dict[str, Any] | None = None  # {"Node", "CheckID"} of the job's check in the catalog
+    left: list[str] = field(default_factory=list)  # keys outside Consul's strict rule no consulrun wrote
 
     def lines(self) -> list[str]:
         out = [f"{len(self.keys)} key(s) under {self.base}/:"] + [f"  {key}" for key in sorted(self.keys)]
+        if self.left:
+            out.append(f"left as they are ({len(self.left)}: outside Consul's strict key rule, and not written by "
+                       "consulrun; `consul kv delete` them on a Consul that takes them):")
+            out += [f"  {key}" for key in sorted(self.left)]
         if self.check:
             out.append(f"health check {self.check['CheckID']} on node {self.check['Node']}")
         return out
@@ -42,9 +50,12 @@ class Forgetting:
 
 def look(client: Client, prefix: str, job: str) -> Forgetting:
     """Read what forgetting `job` would delete; JobBusy if a session holds its lock or a live run claims it."""
-    base = f"{prefix.strip('/')}/{job}"
+    base = keys.job_base(prefix, job)
     _, entries = client.kv_tree(base + "/")
     found = Forgetting(base=base, keys={e["Key"]: int(e["ModifyIndex"]) for e in entries})
+    found.left = _past_ops(found)[1]
+    for key in found.left:
+        del found.keys[key]
     for entry in entries:
         rest = entry["Key"][len(base) + 1:]
         if (rest == "lock" or rest.startswith("slots/")) and entry.get("Session"):
@@ -66,8 +77,32 @@ def look(client: Client, prefix: str, job: str) -> Forgetting:
 
 
 def _guards(found: Forgetting) -> list[dict[str, Any]]:
-    return [kv_op("check-not-exists", f"{found.base}/{key}") for key in GUARDED
+    return [kv_op("check-not-exists", f"{found.base}/{key}") for key in GUARDED  # lock, occurrence (keys.py)
             if f"{found.base}/{key}" not in found.keys]
+
+
+def _past_ops(found: Forgetting) -> tuple[list[dict[str, Any]], list[str]]:
+    """The deletes of the keys that only record the past (each `delete-cas` on its index; old keys outside the
+    strict rule by their hour's `delete-tree`), and the keys no delete can name."""
+    listed = sorted(found.keys)
+    live = [k for k in listed if _live(found, k)]
+    past = [k for k in listed if k not in live]
+    ops: list[dict[str, Any]] = []
+    left: list[str] = []
+    for directory in (keys.history_prefix(found.base), keys.episodes_prefix(found.base)):
+        mine = [k for k in past if k.startswith(directory)]
+        done, cannot = keys.delete_ops(mine, listed, directory,
+                                       op=lambda k: kv_op("delete-cas", k, Index=found.keys[k]))
+        ops += done
+        left += cannot
+    others = [k for k in past if not k.startswith((keys.history_prefix(found.base), keys.episodes_prefix(found.base)))]
+    ops += [kv_op("delete-cas", k, Index=found.keys[k]) for k in others if keys.nameable(k)]
+    return ops, left + [k for k in others if not keys.nameable(k)]
+
+
+def _live(found: Forgetting, key: str) -> bool:
+    rest = key[len(found.base) + 1:]
+    return rest in GUARDED or rest.startswith(keys.SLOTS)
 
 
 def forget(client: Client, found: Forgetting) -> None:
@@ -75,19 +110,17 @@ def forget(client: Client, found: Forgetting) -> None:
     the lock-bearing keys last; JobBusy, with nothing more deleted, if a run started since the look."""
     testhook.pause("forget-before-delete")
     guards = _guards(found)
-    live = [k for k in found.keys if k[len(found.base) + 1:] in GUARDED or k[len(found.base) + 1:].startswith("slots/")]
+    live = [k for k in sorted(found.keys) if _live(found, k)]
     # Keys that only record the past go first if they must be split off; the last batch holds the live ones.
-    past = [k for k in sorted(found.keys) if k not in live]
+    past = _past_ops(found)[0]
     check_ops = [{"Check": {"Verb": "delete", "Check": found.check}}] if found.check else []
     chunk = MAX_TXN_OPS - len(guards) - len(live) - len(check_ops)
     cut = max(0, len(past) - chunk)
     for n in range(0, cut, chunk):  # each guarded by the live keys' indexes, so a run starting meanwhile stops it
-        ops = guards + [kv_op("check-index", k, Index=found.keys[k]) for k in live] + \
-            [kv_op("delete-cas", k, Index=found.keys[k]) for k in past[n:min(n + chunk, cut)]]
+        ops = guards + [kv_op("check-index", k, Index=found.keys[k]) for k in live] + past[n:min(n + chunk, cut)]
         if client.txn(ops) is None:
             raise _started(found)
-    last = past[cut:]
-    ops = guards + [kv_op("delete-cas", k, Index=found.keys[k]) for k in [*last, *live]] + check_ops
+    ops = guards + past[cut:] + [kv_op("delete-cas", k, Index=found.keys[k]) for k in live] + check_ops
     if client.txn(ops) is None:
         raise _started(found)
 

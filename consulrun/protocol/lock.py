@@ -28,7 +28,7 @@ from consulrun import __version__
 from consulrun.consul.client import Client, SessionInvalid, decoded, kv_op
 from consulrun.consul.values import is_invocation_id, printable
 from consulrun.errors import ConsulrunError, ConsulUnavailable, UsageError
-from consulrun.protocol import testhook
+from consulrun.protocol import keys, testhook
 from consulrun.protocol.fencing import Fencing
 from consulrun.protocol.procinfo import (
     boot_id,
@@ -63,12 +63,12 @@ class LockSpec:
 
     @property
     def base(self) -> str:
-        return f"{self.prefix.strip('/')}/{self.job}"
+        return keys.job_base(self.prefix, self.job)
 
     def keys(self) -> list[str]:
         if self.concurrency == 1:
-            return [f"{self.base}/lock"]
-        return [f"{self.base}/slots/{n}" for n in range(self.concurrency)]
+            return [keys.lock_key(self.base)]
+        return [keys.slot_key(self.base, n) for n in range(self.concurrency)]
 
 
 @record
@@ -153,7 +153,7 @@ class Locker:
         if self.spec.concurrency == 1:
             idx, entry = self.client.kv_get(self.spec.keys()[0], index=index, wait_s=wait_s)
             return idx, ({entry["Key"]: entry} if entry else {})
-        idx, entries = self.client.kv_get(f"{self.spec.base}/slots/", index=index, wait_s=wait_s, recurse=True)
+        idx, entries = self.client.kv_get(keys.slots_prefix(self.spec.base), index=index, wait_s=wait_s, recurse=True)
         return idx, {e["Key"]: e for e in entries or []}
 
     def snapshot(self) -> tuple[dict[str, dict[str, Any]], str | None, dict[str, Any]]:
@@ -162,7 +162,7 @@ class Locker:
         from consulrun.protocol.pause import describe, in_force, pause_key, unchanged_op, value_of
 
         key = pause_key(self.spec.base)
-        lock_prefix = self.spec.keys()[0] if self.spec.concurrency == 1 else f"{self.spec.base}/slots/"
+        lock_prefix = self.spec.keys()[0] if self.spec.concurrency == 1 else keys.slots_prefix(self.spec.base)
         found = self.client.read_trees([lock_prefix, key])
         pause_entry = found.pop(key, None)
         guard = unchanged_op(self.spec.base, int(pause_entry["ModifyIndex"]) if pause_entry else 0)

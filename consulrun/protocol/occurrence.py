@@ -1,8 +1,9 @@
 """Exactly once per scheduled occurrence: the per-job record, its history, and the decisions on them.
 
-Keys under `<prefix>/<job>/`:
+Keys under `<prefix>/<job>/` (named in keys.py):
   occurrence           the latest claimed occurrence: {occurrence, state, node, session, started, attempt, ...}
   history/<occurrence> the final record of each occurrence (with its earlier attempts), the newest N kept
+                       (the time as 20261129T020000Z; a manual run's as <start>.manual)
 
 A node whose timer fired computes the occurrence (the latest scheduled time at
 or before now) and reads the record and the lock in one read-only transaction
@@ -39,7 +40,7 @@ from consulrun.consul.client import Client, decoded, kv_op
 from consulrun.consul.values import printable
 from consulrun.errors import ConsulrunError, ConsulUnavailable, MalformedValue, UsageError
 from consulrun.manifest import calendar
-from consulrun.protocol import clockskew, pause, testhook, turns
+from consulrun.protocol import clockskew, keys, pause, testhook, turns
 from consulrun.protocol.lock import Held, LockDelayRetry, Locker, clock, describe_holder, now_iso
 from consulrun.protocol.trigger import fresh as trigger_fresh, read_request
 from consulrun.records import record
@@ -60,6 +61,7 @@ LOCK_DELAY_STEPS = 8
 # How far ahead of this node another node's clock may be: a record later than the next occurrence plus this
 # cannot have been claimed by a node whose clock agrees with ours (see Ledger.verdict).
 ALLOWED_SKEW_S = 300.0
+PRUNE_OPS = 50  # deletes a finish may carry: its transaction stays under Consul's 64 operations
 
 
 def future_limit(next_when: datetime | None, now: datetime | None = None) -> str:
@@ -128,11 +130,11 @@ class Ledger:
         self.base = base
         self.job = base.rsplit("/", 1)[-1]
         self.health_prefix = health_prefix
-        self.record_key = f"{base}/occurrence"
-        self.lock_key = f"{base}/lock"
-        self.history_prefix = f"{base}/history/"
-        self.pause_key = pause.pause_key(base)
-        self.trigger_key = f"{base}/trigger"
+        self.record_key = keys.occurrence_key(base)
+        self.lock_key = keys.lock_key(base)
+        self.history_prefix = keys.history_prefix(base)
+        self.pause_key = keys.pause_key(base)
+        self.trigger_key = keys.trigger_key(base)
         self.history_size = history_size
 
     def snapshot(self, consistent: bool = False) -> Snapshot:
@@ -156,8 +158,12 @@ class Ledger:
     def manual_key(self, claim: dict[str, Any]) -> str:
         """The history entry of a run outside the schedule: a manual one's, or a chained one's (chain.py)."""
         if claim.get("after"):
-            return self.history_prefix + str(claim["run"])
-        return f"{self.history_prefix}{claim['started']}~manual"
+            return keys.entry_key(self.history_prefix, str(claim["run"]))
+        return keys.entry_key(self.history_prefix, str(claim["started"]), manual=True)
+
+    def history_key(self, occurrence: str) -> str:
+        """The entry under this ledger's history (a job's, or an each-node job's node's: eachnode.py)."""
+        return keys.entry_key(self.history_prefix, occurrence)
 
     def then_ops(self, final: dict[str, Any]) -> list[dict[str, Any]]:
         """The chained jobs' requests `final` makes, if it is final: a lost or abandoned attempt of an occurrence
@@ -233,7 +239,7 @@ class Ledger:
     def _close_earlier(self, occ: Occurrence, record: dict[str, Any]) -> list[dict[str, Any]]:
         if record.get("state") == "running" and record.get("occurrence", "") < occ.id:
             # Its runner died before recording a result: say so in the history rather than leave a gap.
-            return [kv_op("set", self.history_prefix + record["occurrence"],
+            return [kv_op("set", self.history_key(record["occurrence"]),
                           _final(record, "abandoned", ABANDONED_REASON))]
         return []
 
@@ -244,7 +250,7 @@ class Ledger:
                   "ended": now_iso(), "schedule": list(occ.specs), "zone": calendar.local_zone_name(),
                   "zone_offsets": calendar.zone_offsets(occ.when)}
         return [kv_op("cas", self.record_key, missed, Index=snap.record_index),
-                kv_op("set", self.history_prefix + occ.id, missed), *self._close_earlier(occ, snap.record or {}),
+                kv_op("set", self.history_key(occ.id), missed), *self._close_earlier(occ, snap.record or {}),
                 *self.health_ops(missed)]
 
     def finish_ops(self, claim: dict[str, Any], outcome: dict[str, Any], claim_index: int) -> list[dict[str, Any]]:
@@ -253,9 +259,9 @@ class Ledger:
         The record is check-and-set on its index as our claim left it: a result never overwrites a takeover.
         """
         done = {**claim, **outcome, "state": "done"}
-        ops = [kv_op("cas", self.record_key, done, Index=claim_index), kv_op("set", self.history_prefix + claim["occurrence"], done),
-               *self.then_ops(done)]
-        return ops + self.prune_ops(self._history_entries(), keep=self.history_prefix + claim["occurrence"]) + \
+        ops = [kv_op("cas", self.record_key, done, Index=claim_index),
+               kv_op("set", self.history_key(claim["occurrence"]), done), *self.then_ops(done)]
+        return ops + self.prune_ops(self._history_entries(), keep=self.history_key(claim["occurrence"])) + \
             self.health_ops(done)
 
     def _history_entries(self) -> list[dict[str, Any]]:
@@ -275,20 +281,30 @@ class Ledger:
 
     def prune_ops(self, entries: list[dict[str, Any]], keep: str) -> list[dict[str, Any]]:
         """Deletes of the oldest history entries beyond the limit, occurrences and manual runs counted apart;
-        never the entry being written (`keep`)."""
-        ops = []
+        never the entry being written (`keep`); at most PRUNE_OPS of them (the next run goes on).
+
+        Entries of both key forms (keys.py) are ordered by the time they name, so an old one ages out as any
+        other. An old key is outside Consul's strict rule, so no request can name it: it goes with a delete of
+        its hour's prefix (`2026-11-29T02`) once every entry of that hour is due, and counts until then.
+        """
+        doomed: list[str] = []
+        listed = [e["Key"] for e in entries]
         for manual in (False, True):
-            names = sorted({e["Key"] for e in entries if e["Key"].endswith("~manual") == manual} |
-                           ({keep} if keep.endswith("~manual") == manual else set()))
-            ops += [kv_op("delete", key) for key in names[:max(0, len(names) - self.history_size)][:50] if key != keep]
-        return ops
+            names = sorted({k for k in listed if keys.is_manual(k) == manual} |
+                           ({keep} if keys.is_manual(keep) == manual else set()), key=keys.history_order)
+            # Counted by the time each names: an old key of the very entry being written is superseded by it.
+            times = sorted({keys.history_order(k)[0] for k in names})
+            old = set(times[:max(0, len(times) - self.history_size)]) | \
+                ({keys.history_order(keep)[0]} if keys.is_manual(keep) == manual else set())
+            doomed += [key for key in names if keys.history_order(key)[0] in old and key != keep]
+        return keys.delete_ops(doomed, [*listed, keep], self.history_prefix)[0][:PRUNE_OPS]
 
     def failed_ops(self, record: dict[str, Any], record_index: int, state: str,
                    reason: str) -> list[dict[str, Any]]:
         """Record `record`'s attempt as lost/abandoned, only if the record is still at `record_index`."""
         final = _final(record, state, reason)
         return [kv_op("cas", self.record_key, final, Index=record_index),
-                kv_op("set", self.history_prefix + record["occurrence"], final), *self.then_ops(final),
+                kv_op("set", self.history_key(record["occurrence"]), final), *self.then_ops(final),
                 *self.health_ops(final)]
 
     def record_index_after_claim(self, held: Held) -> int:

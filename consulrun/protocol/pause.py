@@ -6,7 +6,7 @@ runner reads it in the same read-only transaction as the lock and the
 occurrence record, so the skip path stays one round trip and no Raft write.
 A pause with `until` ends by itself: nothing needs to delete the key.
 
-When a pause ends, it is kept as an episode, `<prefix>/<job>/ended-pauses/<at>~<index>`
+When a pause ends, it is kept as an episode, `<prefix>/<job>/ended-pauses/<at>.<index>` (keys.py)
 ({"by", "at", "reason", "until", "ended", "ended_by"}), so `history` and
 `status` can name the occurrences it skipped. Skipping writes nothing, so those
 are derived, not recorded: the schedule's occurrences inside an episode that no
@@ -25,19 +25,19 @@ from datetime import datetime, timedelta, timezone
 
 from consulrun.consul.client import Client, decoded, kv_op
 from consulrun.errors import ConsulProtocolError, MalformedValue
+from consulrun.protocol import keys
 from consulrun.timefmt import parse_time
 
 TYPE_CHECKING = False  # typing's own flag without importing typing on every run
 if TYPE_CHECKING:
     from typing import Any
 
-EPISODES = "ended-pauses/"
+EPISODES = keys.EPISODES
 KEPT_EPISODES = 20
 EPISODE_FIELDS = ("by", "at", "reason", "until", "ended", "ended_by")
 
 
-def pause_key(base: str) -> str:
-    return f"{base}/pause"
+pause_key = keys.pause_key
 
 
 def unchanged_op(base: str, index: int) -> dict[str, Any]:
@@ -106,12 +106,6 @@ def _ended(value: dict[str, Any], now: datetime) -> dict[str, Any]:
     return {**value, "ended": _iso(ended), "ended_by": who()}
 
 
-def _filed_order(key: str) -> tuple[str, int]:
-    """Filed episodes oldest first: by start, then by the pause key's index (two pauses in one second)."""
-    at, _, index = key.rpartition("~")
-    return at, int(index) if index.isdigit() else 0
-
-
 def _filing_ops(base: str, entry: dict[str, Any] | None, filed: list[str], now: datetime) -> list[dict[str, Any]]:
     """Operations that file the pause in `entry` (the key as read) as an episode, and prune the oldest ones.
 
@@ -121,10 +115,11 @@ def _filing_ops(base: str, entry: dict[str, Any] | None, filed: list[str], now: 
     if entry is None:
         return []
     value = value_of(entry) or {}
-    name = f"{base}/{EPISODES}{value.get('at') or '?'}~{entry['ModifyIndex']}"
-    keep = sorted({*filed, name}, key=_filed_order)
+    name = keys.episode_key(base, str(value.get("at") or "?"), entry["ModifyIndex"])
+    keep = sorted({*filed, name}, key=keys.episode_order)  # old keys (`<at>~<index>`) among them by their times
     ops = [kv_op("check-index", pause_key(base), Index=int(entry["ModifyIndex"])), kv_op("set", name, _ended(value, now))]
-    return ops + [kv_op("delete", old) for old in keep[:max(0, len(keep) - KEPT_EPISODES)][:20]]
+    doomed = [old for old in keep[:max(0, len(keep) - KEPT_EPISODES)][:20] if old != name]
+    return ops + keys.delete_ops(doomed, [*filed, name], keys.episodes_prefix(base))[0]
 
 
 MAX_TXN_OPS = 128  # Consul refuses a transaction of more operations
@@ -151,9 +146,9 @@ def _apply(client: Client, jobs: list[str], prefix: str, ops_for: Any, what: str
         found: dict[str, dict[str, Any]] = {}
         for n in range(0, len(pending), MAX_TXN_OPS // 2):
             found.update(client.read_trees([p for base in pending[n:n + MAX_TXN_OPS // 2]
-                                            for p in (pause_key(base), f"{base}/{EPISODES}")], consistent=True))
+                                            for p in (pause_key(base), keys.episodes_prefix(base))], consistent=True))
         per_job = [(base, ops_for(base, found.get(pause_key(base)), [k for k in found
-                                                                     if k.startswith(f"{base}/{EPISODES}")]))
+                                                                     if k.startswith(keys.episodes_prefix(base))]))
                    for base in pending]
         pending = [base for bases, ops in _batches(per_job) if client.txn(ops) is None for base in bases]
         if not pending:

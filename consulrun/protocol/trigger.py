@@ -20,6 +20,7 @@ from datetime import datetime, timezone
 from consulrun.consul.client import Client, decoded, kv_op
 from consulrun.consul.values import printable
 from consulrun.errors import ConsulrunError, MalformedValue
+from consulrun.protocol import keys
 from consulrun.protocol.lock import describe_holder
 from consulrun.protocol.pause import describe, in_force, pause_key, value_of, who
 from consulrun.records import record
@@ -123,7 +124,7 @@ def _pending(client: Client, trigger_key: str, request: dict[str, Any]) -> bool:
 
 def trigger(client: Client, base: str, unit: str, *, wait_s: float,
             start_unit: Callable[[str], subprocess.CompletedProcess[str]]) -> Outcome:
-    lock_key, trigger_key = f"{base}/lock", f"{base}/trigger"
+    lock_key, trigger_key = keys.lock_key(base), keys.trigger_key(base)
     deadline = time.monotonic() + wait_s
     _, paused = client.kv_get(pause_key(base))
     if paused is not None and in_force(value_of(paused)):
@@ -156,8 +157,8 @@ def trigger(client: Client, base: str, unit: str, *, wait_s: float,
         _, entry = client.kv_get(trigger_key)
         if entry and decoded(entry).get("id") == request["id"]:
             client.txn([kv_op("delete-cas", trigger_key, Index=int(entry["ModifyIndex"]))])
-    _, entries = client.kv_get(f"{base}/history/", recurse=True)
-    records = [decoded(e) for e in entries or [] if e["Key"].endswith("~manual")]
+    _, entries = client.kv_get(keys.history_prefix(base), recurse=True)
+    records = [decoded(e) for e in entries or [] if keys.is_manual(e["Key"])]
     mine = next((r for r in records if r.get("trigger") == request["id"]), None)
     return Outcome(record=mine, unit_status=started.returncode, unit_output=(started.stderr or started.stdout).strip())
 

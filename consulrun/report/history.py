@@ -16,7 +16,7 @@ from __future__ import annotations
 from datetime import datetime, timezone
 
 from consulrun.consul.client import Client, decoded
-from consulrun.protocol import pause
+from consulrun.protocol import keys as names, pause
 from consulrun.report.status import ABANDONED_UNRECORDED, NoState, parse_time, probe, seconds_between
 
 TYPE_CHECKING = False  # typing's own flag without importing typing on every run
@@ -67,7 +67,8 @@ def runs(client: Client, prefix: str, job: str, limit: int, schedules: tuple[str
 
 def stored_schedule(keys: dict[str, dict[str, Any]]) -> tuple[str, ...]:
     """The schedule the newest run recorded (the live record, else the newest history entry), or ()."""
-    for key in ["occurrence", *sorted((k for k in keys if k.startswith("history/")), reverse=True)]:
+    for key in ["occurrence", *sorted((k for k in keys if k.startswith(names.HISTORY)), key=names.history_order,
+                                      reverse=True)]:
         stored = decoded(keys.get(key)).get("schedule")
         if isinstance(stored, list) and stored and all(isinstance(spec, str) for spec in stored):
             return tuple(stored)
@@ -98,15 +99,18 @@ def rows_of(keys: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
     job's records are each node's own (`nodes/<node>/occurrence`, `nodes/<node>/history/<occurrence>`)."""
     records: dict[tuple[str, str], dict[str, Any]] = {}
     current: dict[str, dict[str, Any]] = {}
-    for key, entry in sorted(keys.items()):
+    # Oldest write first, so that of two entries of one occurrence (an old node's key and a new node's, keys.py)
+    # the later write stands; an old key and a new one name the same manual run alike.
+    for key, entry in sorted(keys.items(), key=lambda item: (int(item[1].get("ModifyIndex") or 0), item[0])):
         owner, rest = _owner(key)
-        if rest.startswith("history/"):
+        if rest.startswith(names.HISTORY):
             value = decoded(entry)
             if value.get("after") and not value.get("occurrence"):  # a chained run: its own id (chain.py)
-                value = {**value, "occurrence": value.get("run") or key[len("history/"):]}
+                value = {**value, "occurrence": value.get("run") or names.history_order(rest)[0]}
             if value:
-                records[(owner, str(value.get("occurrence") or rest[len("history/"):]))] = value
-        elif rest == "occurrence":
+                name = names.history_order(rest)[0] + (names.MANUAL if names.is_manual(rest) else "")
+                records[(owner, str(value.get("occurrence") or name))] = value
+        elif rest == names.OCCURRENCE:
             current[owner] = decoded(entry)
     for owner, record in current.items():
         if record.get("occurrence"):
@@ -115,7 +119,7 @@ def rows_of(keys: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
     sessions = {r.get("session") for record in records.values() for r in [record, *(record.get("earlier") or [])]
                 if isinstance(r, dict)}
     for key, entry in sorted(keys.items()):
-        if key != "lock" and not key.startswith("slots/"):
+        if key != names.LOCK and not key.startswith(names.SLOTS):
             continue
         value = decoded(entry)
         last = value.get("last")

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, Callable
 from consulrun.consul.client import Client, decoded
 from consulrun.errors import ConsulrunError, MalformedValue, PermissionDenied
 from consulrun.manifest import calendar
-from consulrun.protocol import clockskew, procinfo
+from consulrun.protocol import clockskew, keys as names, procinfo
 from consulrun.protocol.health import LAST_FIELDS
 from consulrun.protocol.occurrence import future_limit, future_text
 from consulrun.protocol.pause import EPISODES, in_force as pause_in_force, since as pause_skips, value_of as pause_value_of
@@ -292,7 +292,7 @@ def _overdue_holders(status: JobStatus, expect: Expectations | None, now: dateti
 def _record_of(keys: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
     if "occurrence" in keys:
         return decoded(keys["occurrence"]) or None
-    chained = [decoded(e) for k, e in keys.items() if k.startswith("history/") and "~after~" in k]
+    chained = [decoded(e) for k, e in keys.items() if k.startswith(names.HISTORY) and names.is_chained(k)]
     if chained:  # a job that only runs after others: its newest run, named by the parent run it followed
         newest = max(chained, key=lambda r: str(r.get("started") or r.get("ended") or ""))
         return {**newest, "occurrence": newest.get("run")}
@@ -371,8 +371,8 @@ def _clock_findings(status: JobStatus, keys: dict[str, dict[str, Any]], now: dat
     ahead stays reported while they keep finding it, not only while its latest record is young."""
     named = {p["node"] for p in status.problems if p["kind"] == "skew"}
     for key, entry in sorted(keys.items()):
-        parts = key.split("/")
-        if len(parts) != 3 or parts[0] != "clock" or parts[1] in named:
+        parts = [names.unsegment(part) for part in key.split("/")]
+        if len(parts) != 3 or parts[0] != names.CLOCK[:-1] or parts[1] in named:
             continue
         value = decoded(entry)
         at, ahead = parse_time(value.get("at")), value.get("ahead_s")
@@ -392,7 +392,7 @@ def _recorded_misses(status: JobStatus, keys: dict[str, dict[str, Any]], record:
     the next occurrence running on time must not hide the one that ran nowhere."""
     current = (record or {}).get("occurrence")
     for key, entry in sorted(keys.items()):
-        if not key.startswith("history/") or key.endswith("~manual"):
+        if not key.startswith(names.HISTORY) or names.is_manual(key):
             continue
         value = decoded(entry)
         when = parse_time(value.get("occurrence"))

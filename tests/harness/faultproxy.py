@@ -5,17 +5,50 @@ for its next `times` matches, and either refuses it (answers as a server in
 an election does, without forwarding: nothing is written) or loses the answer
 (forwards it, so Consul applies it, then answers 500 instead of Consul's
 answer). Everything else is forwarded as it is, on loopback only.
+
+With `strict_keys`, it also answers as Consul 1.21.5 did to a KV key outside
+that release's rule (hashicorp/consul#22822, #22835): its message, with 400
+(`refused_status`; the UI in #22835 printed "500: invalid key name ...", so
+1.21.5 may have answered 500, which consulrun takes for Consul unavailable),
+for the key in any /v1/kv/ path and for every KV operation of a /v1/txn body
+(1.21.5 checked the KV endpoints; a later release may check transactions
+too, so this is the stricter of the two). Nothing refused is forwarded, and
+each refusal is kept in `refusals` for the test to assert there are none.
 """
 
 from __future__ import annotations
 
 import http.client
 import http.server
+import json
+import re
 import threading
+import urllib.parse
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 ELECTION = b"No cluster leader"
+# Consul 1.21.5's rule (agent/kvs_endpoint.go, from #22682), written out here rather than taken from
+# consulrun.protocol.keys, so that a wrong rule there cannot pass for a right one. Go's `$` is the end of text.
+KV_KEY_RULE = r"^[a-zA-Z0-9,_./\-?&=]+$"
+KV_KEY_REFUSED = f"invalid key name, keys should respect the {json.dumps(KV_KEY_RULE)} format".encode()
+
+
+def refused_keys(method: str, path: str, body: bytes) -> list[str]:
+    """The keys of a request a strict Consul refuses: the one in a /v1/kv/ path (the empty one, a listing of the
+    root, is not checked), and those of a transaction's KV operations."""
+    where, _, _ = path.partition("?")
+    if where.startswith("/v1/kv/"):
+        key = urllib.parse.unquote(where[len("/v1/kv/"):])
+        return [key] if key and not re.fullmatch(KV_KEY_RULE, key) else []
+    if where == "/v1/txn" and method == "PUT":
+        try:
+            ops = json.loads(body or b"[]")
+        except ValueError:
+            return []
+        return [str(op["KV"].get("Key")) for op in ops if isinstance(op, dict) and isinstance(op.get("KV"), dict)
+                and op["KV"].get("Key") and not re.fullmatch(KV_KEY_RULE, str(op["KV"]["Key"]))]
+    return []
 
 
 @dataclass
@@ -30,9 +63,13 @@ class Rule:
 
 
 class FaultProxy:
-    def __init__(self, upstream: str) -> None:
+    def __init__(self, upstream: str, strict_keys: bool = False, refused_status: int = 400) -> None:
         host, port = upstream.rsplit(":", 1)
         self.rules: list[Rule] = []
+        self.strict_keys = strict_keys
+        self.refused_status = refused_status
+        self.refusals: list[str] = []  # "METHOD path: key" of each request refused for its key
+        self.requests: list[str] = []  # "METHOD path" of every request, with strict_keys: what was exercised
         self._lock = threading.Lock()
         proxy = self
 
@@ -44,6 +81,13 @@ class FaultProxy:
 
             def _handle(self) -> None:
                 body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                if proxy.strict_keys:
+                    bad = refused_keys(self.command, self.path, body)
+                    with proxy._lock:
+                        proxy.requests.append(f"{self.command} {self.path}\n{body.decode('utf-8', 'replace')}")
+                        proxy.refusals += [f"{self.command} {self.path}: {key}" for key in bad]
+                    if bad:
+                        return self._answer(proxy.refused_status, KV_KEY_REFUSED)
                 rule = proxy._match(self.command, self.path, body)
                 if rule and rule.then:
                     rule.then(self.path + "\n" + body.decode("utf-8", "replace"))
