@@ -8,6 +8,8 @@ and report are kept in test-artifacts/.
 
 from __future__ import annotations
 
+import argparse
+
 import json
 import os
 import shutil
@@ -124,6 +126,24 @@ def test_the_totals_count_retry_jobs_apart_where_their_condition_does_not_hold(t
                                  "0", "0"]
     claimed = {line.split(" | ")[0].lstrip("| ") for line in totals(_write(tmp_path / "holds", history, nemesis))[2:]}
     assert claimed == {"skip", "retry"}
+
+
+def test_a_retries_job_is_described_as_policy_plus_attempts_and_runs_with_them() -> None:
+    from bench.chaos.run import parse_job
+    from bench.chaos.timers import FAIL_RATE, Fleet, LockSettings
+
+    job = parse_job("flaky:skip+a3:1:*:*:0/15")
+    assert (job.policy, job.attempts, job.schedule) == ("skip", 3, "*:*:0/15")
+    assert parse_job("plain:retry:1:*:*:0/30").attempts == 1
+    for bad in ("x:skip+3:1:*:*:0/15", "x:skip+a1:1:*:*:0/15", "x:skip+a10:1:*:*:0/15"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            parse_job(bad)
+    fleet = Fleet.__new__(Fleet)  # only what _command reads
+    fleet.jobs, fleet.lock = [job], LockSettings()
+    fleet.history = type("H", (), {"path": Path("/h.log")})()
+    agent = type("A", (), {"netns": "ns", "name": "c1"})()
+    command = fleet._command(agent, job)
+    assert command[command.index("--attempts") + 1] == "3" and command[-1] == str(FAIL_RATE), command
 
 
 def test_checker_allows_a_holders_retries_up_to_its_attempts_and_no_more(tmp_path: Path) -> None:

@@ -6,11 +6,13 @@ is the run's global oracle. The wrapper may run under libfaketime; the runner
 starts this script through `env -u LD_PRELOAD ...`, so its clock is never the
 skewed one. Standard library only, started with `python -S` to start fast.
 
-Usage: job.py LOG JOB NODE SECONDS
+Usage: job.py LOG JOB NODE SECONDS [FAIL_RATE]   (with FAIL_RATE, it exits 3 that often, after its end line:
+a retries job's failed attempts)
 """
 
 import json
 import os
+import random
 import sys
 import time
 
@@ -39,6 +41,8 @@ def main() -> None:
         emit("hb")
         beat += 1
     emit("end")
+    if len(sys.argv) > 5 and random.Random(pid * 1_000_003 + time.time_ns()).random() < float(sys.argv[5]):
+        sys.exit(3)
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ from bench.chaos.checker import check
 from bench.chaos.logs import AppendLog
 from bench.chaos.nemesis import ALL_KINDS, KINDS, Nemesis
 from bench.chaos.report import markdown
-from bench.chaos.timers import FAKETIME_LIB, Fleet, JobSpec, LockSettings
+from bench.chaos.timers import FAKETIME_LIB, RETRY_BACKOFF_S, Fleet, JobSpec, LockSettings
 from tests.harness.agents import consul_binary, wait_for
 from tests.harness.bigcluster import BigCluster, start_big_cluster
 from tests.harness.netns import Network
@@ -36,11 +36,15 @@ SUBNET = "10.213.79.0/24"  # moved by CONSULRUN_TEST_NET_PREFIX like the test ha
 def parse_job(text: str) -> JobSpec:
     try:
         name, policy, seconds, schedule = text.split(":", 3)
+        policy, plus, extra = policy.partition("+")
+        if plus and not re.fullmatch(r"a[2-9]", extra):
+            raise ValueError(f"+{extra}: a retries suffix is +aN, N 2-9 (retries.attempts)")
+        attempts = int(extra[1:]) if plus else 1
         after = schedule[len("after="):] if schedule.startswith("after=") else ""
-        job = JobSpec(name, policy, "" if after else schedule, float(seconds), after=after)
+        job = JobSpec(name, policy, "" if after else schedule, float(seconds), after=after, attempts=attempts)
         job.interval_s()
     except (ValueError, TypeError) as exc:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected NAME:skip|retry|eachN:SECONDS:ONCALENDAR, or "
+        raise argparse.ArgumentTypeError(f"{text!r}: expected NAME:skip|retry|eachN[+aN]:SECONDS:ONCALENDAR, or "
                                          f"NAME:skip|retry:SECONDS:after=PARENT ({exc})") from None
     if policy not in ("skip", "retry") and not re.fullmatch(r"each[1-9][0-9]{0,2}", policy):
         raise argparse.ArgumentTypeError(f"{text!r}: policy must be skip, retry or eachN (mode: each-node with "
@@ -54,6 +58,7 @@ def condition_holds(job: JobSpec, lock: LockSettings) -> bool:
     wrapper's session lives that long), then lock-delay, then the standby runs the job: all before the next
     occurrence, when standbys give up."""
     worst = lock.max_delay_s + job.seconds + 2 * lock.ttl_s + lock.lock_delay_s + job.seconds
+    worst += (job.attempts - 1) * (job.seconds + RETRY_BACKOFF_S)  # a standby's run may need its retries too
     return job.policy == "retry" and not job.after and job.interval_s() > worst
 
 
@@ -129,7 +134,8 @@ def main(argv: list[str] | None = None) -> int:
             "jobs": [{"name": j.name, "policy": j.policy, "schedule": j.schedule, "seconds": j.seconds,
                       "interval_s": j.interval_s(), "condition_holds": condition_holds(j, lock),
                       **({"after": [{"job": j.after, "on": "success"}]} if j.after else {}),
-                      **({"each_node": j.each_node} if j.each_node else {})} for j in args.job]}
+                      **({"each_node": j.each_node} if j.each_node else {}),
+                      **({"attempts": j.attempts} if j.attempts > 1 else {})} for j in args.job]}
     interrupted = False
     try:
         _say(f"network {network.net} ({len(network.names)} namespaces), agents in {out / 'agents'}")

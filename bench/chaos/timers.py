@@ -30,6 +30,10 @@ JOB_SCRIPT = Path(__file__).resolve().with_name("job.py")
 FAKETIME_LIB = "/usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1"
 
 
+RETRY_BACKOFF_S = 1.0  # a retries job's backoff (`--retry-backoff`)
+FAIL_RATE = 0.5  # how often a retries job's run exits 3
+
+
 @dataclass(frozen=True)
 class JobSpec:
     name: str
@@ -37,6 +41,7 @@ class JobSpec:
     schedule: str  # OnCalendar= spec ("" for a job that only runs after another)
     seconds: float  # how long the job runs
     after: str = ""  # the job this one runs after (on: success), started by an emulated chain-watch
+    attempts: int = 1  # retries.attempts (`POLICY+aN`): the job then fails half its runs, so retries happen
 
     @property
     def each_node(self) -> int:
@@ -209,9 +214,12 @@ class Fleet:
                 "--prefix", self.lock.prefix, *when, *then,
                 *(["--each-node", "--concurrency", str(job.each_node), "--on-holder-loss", "skip"] if job.each_node
                   else ["--on-holder-loss", job.policy]),
+                *(["--attempts", str(job.attempts), "--retry-backoff", f"{RETRY_BACKOFF_S:g}s"] if job.attempts > 1
+                  else []),
                 "--ttl", f"{self.lock.ttl_s}s", "--lock-delay", f"{self.lock.lock_delay_s}s", job.name, "--",
                 "/usr/bin/env", "-u", "LD_PRELOAD", "-u", "FAKETIME",
-                sys.executable, "-S", str(JOB_SCRIPT), str(self.history.path), job.name, agent.name, str(job.seconds)]
+                sys.executable, "-S", str(JOB_SCRIPT), str(self.history.path), job.name, agent.name, str(job.seconds),
+                *([str(FAIL_RATE)] if job.attempts > 1 else [])]
 
     def _environment(self, skew: float) -> dict[str, str]:
         env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "CONSUL_HTTP_ADDR": "127.0.0.1:8500",
