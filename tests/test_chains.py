@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import subprocess
 import threading
+from datetime import datetime, timezone
 import time
 from pathlib import Path
 
@@ -114,7 +115,7 @@ def test_a_parent_s_end_is_a_request_written_with_its_result_and_the_child_runs_
     code, _, err = _parent(tmp_path)
     assert code == 0, err
     request = kv_json(consul, f"consulrun/child/after/parent/{stamp(occ)}")
-    assert request and request["parent"] == "parent" and request["occurrence"] == occ, request
+    assert request and request["parent"] == "parent" and request["run"] == occ, request
     assert request["state"] == "done" and request["exit_status"] == 0 and request["node"] == "dev1", request
     assert kv_json(consul, f"consulrun/onfail/after/parent/{stamp(occ)}") is None  # on: failure, and it succeeded
     # The request and the parent's result came in one transaction: the same index.
@@ -128,7 +129,7 @@ def test_a_parent_s_end_is_a_request_written_with_its_result_and_the_child_runs_
     assert kv_json(consul, f"consulrun/child/after/parent/{stamp(occ)}") is None  # consumed
     entry = kv_json(consul, f"consulrun/child/history/{stamp(occ)},after,parent")
     assert entry and entry["state"] == "done" and entry["exit_status"] == 0, entry
-    assert entry["after"] == {"job": "parent", "occurrence": occ, "state": "done", "exit_status": 0, "node": "dev1",
+    assert entry["after"] == {"job": "parent", "run": occ, "state": "done", "exit_status": 0, "node": "dev1",
                               "ended": request["ended"]}, entry
     code, _, err = _child(tmp_path)  # once: nothing more is pending
     assert code == 0 and "no run after parent is pending" in err, err
@@ -203,7 +204,7 @@ def test_a_chained_run_past_the_child_s_start_deadline_is_recorded_missed_and_a_
 
     def request(occ: str, ended: str) -> None:
         _put(consul, f"consulrun/child/after/parent/{stamp(occ)}", json.dumps(
-            {"parent": "parent", "occurrence": occ, "state": "done", "exit_status": 0, "node": "x", "ended": ended}))
+            {"parent": "parent", "run": occ, "state": "done", "exit_status": 0, "node": "x", "ended": ended}))
 
     request("2020-01-01T00:00:00Z", "2020-01-01T00:00:05Z")
     code, _, err = _child(tmp_path, "child", "--start-deadline", "1h")
@@ -248,7 +249,7 @@ def test_chained_runs_keep_the_history_to_its_size(consul: Agent, tmp_path: Path
 
     for occ in ("2026-01-01T00:00:00Z", "2026-01-02T00:00:00Z", "2026-01-03T00:00:00Z"):
         _put(consul, f"consulrun/child/after/parent/{stamp(occ)}", json.dumps(
-            {"parent": "parent", "occurrence": occ, "state": "done", "exit_status": 0, "node": "x", "ended": occ}))
+            {"parent": "parent", "run": occ, "state": "done", "exit_status": 0, "node": "x", "ended": occ}))
         code, _, err = _child(tmp_path, "child", "--history", "2")
         assert code == 0, err
     keys = consul.get("kv/consulrun/child/history/", params={"keys": ""})
@@ -290,6 +291,56 @@ def test_the_watcher_starts_the_unit_for_a_request_and_writes_nothing_while_idle
 
 
 @pytest.mark.consul
+def test_a_chain_of_chains_runs_its_last_job_once(consul: Agent, tmp_path: Path) -> None:
+    """a -> b -> c: b's run is itself a parent, whose run id is `<occurrence>~after~a`, no time; its request
+    and c's record of it must be read as well-formed (a new user found c never ran, the request refused)."""
+    occ = f"{datetime.now(timezone.utc).year}-01-01T00:00:00Z"
+    assert _run("--schedule", YEARLY, "--then", "b:success", "a", "--", "true")[0] == 0
+    code, _, err = _run("--after", "a", "--then", "c:always", "b", "--", "true")
+    assert code == 0, err
+    code, _, err = _run("--after", "b", "c", "--", "sh", "-c",
+                        f'echo "$CONSULRUN_PARENT_OCCURRENCE $CONSULRUN_OCCURRENCE" > {tmp_path}/c')
+    assert code == 0 and "ignoring" not in err, err
+    assert (tmp_path / "c").read_text() == f"{occ}~after~a {occ}~after~a~after~b\n"
+    code, out, err = finish(consulrun("history", "--prefix", "consulrun", "c"))
+    assert code == 0 and f"after b {occ}~after~a (exit 0)" in out, (out, err)
+    assert _run("--after", "b", "c", "--", "true")[2].count("no run after b is pending") == 1  # once
+
+
+@pytest.mark.consul
+def test_the_watcher_starts_nothing_for_a_malformed_request(consul: Agent, tmp_path: Path) -> None:
+    """Anyone with KV write can put a key under after/: the watcher says so and waits, rather than starting
+    the unit for it over and over (each start would skip: a new user saw it loop)."""
+    from consulrun.consul.client import Client, ConsulConfig
+    from consulrun.protocol.chainwatch import watch
+
+    started: list[str] = []
+
+    def start_unit(unit: str) -> subprocess.CompletedProcess[str]:
+        started.append(unit)
+        code, out, err = _child(tmp_path)
+        return subprocess.CompletedProcess([unit], code, out, err)
+
+    _put(consul, "consulrun/child/after/parent/20200101T000000Z", '{"parent": "someone else"}')
+    stop = threading.Event()
+    client = Client(ConsulConfig.from_env({}, address=consul.http_addr))
+    thread = threading.Thread(target=watch, args=(client, "consulrun/child", "consulrun-child.service", start_unit),
+                              kwargs={"stop": stop.is_set}, daemon=True)
+    thread.start()
+    try:
+        time.sleep(3)  # given the chance (it would start the unit at once, and again after 2 s)
+        assert started == []
+        code, _, err = _parent(tmp_path)  # a well-formed request: the watcher is alive and starts the unit
+        assert code == 0, err
+        wait_for(lambda: (tmp_path / "child").exists(), 30, "the chained run")
+        assert started == ["consulrun-child.service"]
+    finally:
+        stop.set()
+        _put(consul, "consulrun/child/after/wake", "x")
+        thread.join(timeout=30)
+
+
+@pytest.mark.consul
 def test_a_request_left_while_no_node_watched_runs_when_a_watcher_comes_back(consul: Agent, tmp_path: Path) -> None:
     """Every node with the child was down when the parent ended: the request waits; the first watcher that
     starts runs it. A request from a job the child no longer runs after is removed, not run."""
@@ -300,7 +351,7 @@ def test_a_request_left_while_no_node_watched_runs_when_a_watcher_comes_back(con
 
     assert _parent(tmp_path)[0] == 0  # nobody watches
     _put(consul, "consulrun/child/after/gone/20260101T000000Z", json.dumps(
-        {"parent": "gone", "occurrence": "2026-01-01T00:00:00Z", "state": "done", "exit_status": 0, "node": "x",
+        {"parent": "gone", "run": "2026-01-01T00:00:00Z", "state": "done", "exit_status": 0, "node": "x",
          "ended": "2026-01-01T00:00:01Z"}))
 
     def start_unit(unit: str) -> subprocess.CompletedProcess[str]:
@@ -440,7 +491,7 @@ def test_real_timers_run_the_parent_and_the_watcher_unit_runs_the_child_once_for
         assert all(len(line) == 4 for line in lines if line[0] == "report"), lines  # run by systemd: INVOCATION_ID
         exported = json.loads(ctr.exec(consul_bin, "kv", "export", "consulrun/report/history/").stdout)
         entries = [json.loads(base64.b64decode(e["value"])) for e in exported]
-        assert sorted(e["after"]["occurrence"] for e in entries) == sorted(fed), entries
+        assert sorted(e["after"]["run"] for e in entries) == sorted(fed), entries
         assert all(e["state"] == "done" and e["after"]["job"] == "feed" for e in entries), entries
     finally:
         ctr.systemctl("stop", "consulrun-feed.timer", "consulrun-after@report.service", "consulrun-feed.service",

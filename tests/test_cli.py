@@ -157,7 +157,7 @@ def test_acl_policy_reads_stdin_too() -> None:
 @pytest.mark.parametrize("prefix", ["", "/lead", "a//b", "a b", "x/", "a/../b", "a/./b", "..", "ops/."])
 def test_prefix_is_checked_like_the_manifests_kv_prefix(prefix: str, tmp_path: Path) -> None:
     """`.` and `..` segments too: Consul stores `a/../b` as written, but its HTTP router answers 301 to reading it."""
-    rule = "must be KV path segments of letters, digits, '_', '.', '-' separated by '/', none of them '.' or '..'"
+    rule = "must be KV path segments of letters, digits, '_', '.', '-' separated by '/', none of them '.', and no '..' anywhere (Consul refuses it in a key)"
     for command in (["acl-policy", "--prefix", prefix], ["run", "--prefix", prefix, "job", "--", "true"]):
         code, out, err = invoke(*command)
         assert (code, out) == (2, ""), (command, out)

@@ -101,8 +101,6 @@ CASES = {
                         ["jobs.d.after[0]", "its parent 'c' is mode: each-node"]),
     "output-without-ping": ("jobs:\n  a:\n" + OK_JOB + "    ping_output_lines: 20\n", 5, 24,
                             ["jobs.a.ping_output_lines", "it needs ping_url"]),
-    "default-output-without-ping": ("defaults:\n  ping_output_lines: 20\njobs:\n  a:\n" + OK_JOB, 2, 22,
-                                    ["defaults.ping_output_lines", "job 'a' has no ping_url"]),
 }
 
 
@@ -488,3 +486,14 @@ def test_parsing_pauses_the_cyclic_collector_and_gives_it_back_as_it_was() -> No
         finally:
             gc.enable()
     assert seen == [False, False, False, False]
+
+
+def test_default_output_lines_are_for_the_jobs_that_ping(tmp_path: Path) -> None:
+    """defaults.ping_output_lines neither forces a ping_url on every job nor sends anything for one without it."""
+    from consulrun.manifest.loader import load_manifest
+
+    path = tmp_path / "jobs.yaml"
+    path.write_text("defaults:\n  ping_output_lines: 20\njobs:\n  quiet:\n" + OK_JOB + "  pinged:\n" + OK_JOB +
+                    "    ping_url: https://hc-ping.com/x\n")
+    jobs = {j.name: j for j in load_manifest(path).jobs}
+    assert (jobs["quiet"].ping_output_lines, jobs["pinged"].ping_output_lines) == (0, 20)

@@ -422,7 +422,7 @@ def test_nodes_firing_together_leave_the_occurrence_to_the_first_ranked(cluster:
     # every member claims at once (as it must), which is no test of the turns: such a try is made again.
     for job in ("together", "together-2", "together-3"):
         wait_for(lambda: all(sum(m["Status"] == 1 for m in a.get("agent/members")) == len(agents)
-                             for a in agents.values()), 30, "every member alive in every agent's view")
+                             for a in agents.values()), 90, "every member alive in every agent's view")
         first, second, last = _ranked(_yearly(job), list(agents))
         assert last == "node1"  # a server, after the clients
         logs = {n: tmp_path / f"{job}-{n}.log" for n in (first, second)}

@@ -51,7 +51,7 @@ def test_wheel_ships_templates_and_renders_from_installed_copy(tmp_path: Path) -
     where = subprocess.run([str(py), "-c", "from consulrun.units.render import shipped_templates; print(shipped_templates())"],
                            cwd=tmp_path, capture_output=True, text=True, check=True).stdout.strip()
     assert where.startswith(str(env_dir)), where
-    assert sorted(p.name for p in Path(where).iterdir()) == ["onfailure.j2", "service.j2", "timer.j2"]
+    assert sorted(p.name for p in Path(where).iterdir()) == ["chainwatch.j2", "onfailure.j2", "service.j2", "timer.j2"]
     out = tmp_path / "units"
     result = subprocess.run([str(env_dir / "bin" / "consulrun"), "generate", str(REPO / "examples" / "jobs.yaml"),
                              "-o", str(out)], cwd=tmp_path, capture_output=True, text=True)

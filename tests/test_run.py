@@ -115,7 +115,7 @@ def test_lock_value_and_child_environment(consul: Agent, tmp_path: Path) -> None
     code, _, err = finish(consulrun("run", "--prefix", "ops/cr", "envjob", "--", sys.executable, "-c", script))
     assert code == 0, err
     env = json.loads(seen.read_text())
-    assert env["CONSULRUN_JOB"] == "envjob"
+    assert env["CONSULRUN_JOB"] == "envjob" and env["CONSULRUN_NODE"] == "dev1"  # Consul's name, as status gives it
     assert env["CONSULRUN_LOCK_KEY"] == "ops/cr/envjob/lock"
     entry = lock_entry(consul, "ops/cr/envjob/lock")
     assert entry is not None and "Session" not in entry

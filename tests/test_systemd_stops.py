@@ -79,13 +79,16 @@ def nodes(consul_bin: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator
 
 def install_soon(nodes: list[Container], name: str, job: dict) -> str:
     """Install `name` on every node with one occurrence LEAD_S from now; return that occurrence's id."""
-    t0 = int(time.time()) + LEAD_S
-    job = {**job, "schedule": time.strftime("*-*-* %H:%M:%S UTC", time.gmtime(t0)), "on_holder_loss": "retry"}
-    text = manifest({name: job})
-    with ThreadPoolExecutor(3) as pool:
-        results = list(pool.map(lambda ctr: install(ctr, text), nodes))
-    assert all(r.returncode == 0 for r in results), [r.stderr for r in results]
-    assert time.time() < t0 - 1, "the installs took longer than the lead"
+    for lead in (LEAD_S, 2 * LEAD_S, 4 * LEAD_S):  # a loaded machine installs slowly: a later time, installed again
+        t0 = int(time.time()) + lead
+        timed = {**job, "schedule": time.strftime("*-*-* %H:%M:%S UTC", time.gmtime(t0)), "on_holder_loss": "retry"}
+        text = manifest({name: timed})
+        with ThreadPoolExecutor(3) as pool:
+            results = list(pool.map(lambda ctr: install(ctr, text), nodes))
+        assert all(r.returncode == 0 for r in results), [r.stderr for r in results]
+        if time.time() < t0 - 1:
+            break
+    assert time.time() < t0 - 1, "the installs took longer than the lead, three times"
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t0))
 
 

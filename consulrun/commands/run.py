@@ -102,7 +102,8 @@ def run(job: str, command: tuple[str, ...], prefix: str, ttl: int, lock_delay: i
     Options go before JOB; everything after it is the command. Durations are
     written as systemd writes them (500ms, 15s, 1m30s, 10 min, 1h 30min).
 
-    The job gets CONSULRUN_JOB, CONSULRUN_SESSION, CONSULRUN_LOCK_KEY and
+    The job gets CONSULRUN_JOB, CONSULRUN_NODE (Consul's name for this node),
+    CONSULRUN_SESSION, CONSULRUN_LOCK_KEY and
     CONSULRUN_FENCING_TOKEN (the lock key's ModifyIndex: larger for every later
     holder, so the job can refuse a stale holder's write) and CONSULRUN_ATTEMPT
     (1, then 2, 3, ... for each retry of --attempts) in its environment (a run

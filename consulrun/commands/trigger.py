@@ -34,6 +34,10 @@ def trigger(targets: tuple[str, ...], wait_ms: int, unit: str | None, host: str 
     if loaded and any(j.name == job and j.mode == "each-node" for j in loaded.jobs):
         raise UsageError(f"{job} is an each-node job: every node runs each occurrence once, and it has no manual "
                          "runs (a node's unit started by hand skips an occurrence it has run)")
+    chained = next((j for j in loaded.jobs if j.name == job), None) if loaded else None
+    if chained is not None and chained.after and not chained.schedules:
+        raise UsageError(f"{job} runs only after other jobs ({', '.join(p for p, _ in chained.after)}): it has no "
+                         "manual runs; trigger the job it runs after, and it follows as its after: says")
     unit = unit or f"{loaded.unit_prefix if loaded else 'consulrun'}-{job}.service"
     kv_prefix = (prefix if prefix is not None else (loaded.kv_prefix if loaded else "consulrun")).strip("/")
     if host:

@@ -409,12 +409,6 @@ def _check_start_deadline(problems: _Problems, defaults: dict[str, Any], jobs: d
     for name, job in jobs.items():  # the final ping's body needs a ping (here or in defaults) to travel in
         if isinstance(job, dict) and "ping_output_lines" in job and "ping_url" not in job and "ping_url" not in defaults:
             problems.add(("jobs", name, "ping_output_lines"), "sends the output with the final ping: it needs ping_url")
-    if "ping_output_lines" in defaults and "ping_url" not in defaults:
-        for name, job in jobs.items():
-            if isinstance(job, dict) and "ping_url" not in job and "ping_output_lines" not in job:
-                problems.add(("defaults", "ping_output_lines"),
-                             f"sends the output with the final ping, and job {name!r} has no ping_url")
-                break
 
 
 def _check_each_node(problems: _Problems, defaults: dict[str, Any], jobs: dict[str, Any]) -> None:
@@ -503,7 +497,9 @@ def _build(source: str, data: dict[str, Any], problems: _Problems) -> Manifest:
             timer_settings=_settings({**defaults.get("timer", {}), **raw.get("timer", {})}),
             on_failure=_on_failure(problems, name, raw, defaults),
             ping_url=raw.get("ping_url", defaults.get("ping_url")),
-            ping_output_lines=raw.get("ping_output_lines", defaults.get("ping_output_lines", 0)),
+            # In defaults it is for the jobs that ping: a job without ping_url sends nothing (and is not refused).
+            ping_output_lines=raw.get("ping_output_lines", defaults.get("ping_output_lines", 0))
+            if raw.get("ping_url", defaults.get("ping_url")) else 0,
             pass_consul_token=raw.get("pass_consul_token", False),
             hardening=raw.get("hardening", defaults.get("hardening", "none")),
             placement=_placement(raw.get("nodes", defaults.get("nodes"))),

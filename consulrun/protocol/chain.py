@@ -79,7 +79,9 @@ def then_ops(prefix: str, parent: str, final: dict[str, Any],
     if not thens:
         return []
     rid = run_id(final)
-    request = {"parent": parent, "occurrence": rid, "state": final.get("state"),
+    # `run`, not `occurrence`: a chained parent's run id (`<run>~after~<grandparent>`) is no time, and readers
+    # hold an `occurrence` field to be one.
+    request = {"parent": parent, "run": rid, "state": final.get("state"),
                "exit_status": final.get("exit_status"), "node": final.get("node"),
                "ended": final.get("ended") or now_iso()}
     return [kv_op("set", keys.chain_request_key(keys.job_base(prefix, child), parent, rid), request)
@@ -111,7 +113,7 @@ def read_requests(entries: dict[str, dict[str, Any]], base: str) -> list[Request
         parent, occ = keys.unsegment(parent_segment), keys.run_of_segment(run_segment) if run_segment else ""
         try:
             value = decoded(entry)
-            why = None if value.get("parent") == parent and value.get("occurrence") == occ and occ else \
+            why = None if value.get("parent") == parent and value.get("run") == occ and occ else \
                 "it does not name the parent run its key does"
         except MalformedValue as exc:
             value, why = {}, exc.message
@@ -140,7 +142,7 @@ def _settle_ops(ledger: Ledger, request: Request, state: str, reason: str, node:
 
 
 def _parent_of(request: Request) -> dict[str, Any]:
-    return {"job": request.parent, "occurrence": request.occurrence,
+    return {"job": request.parent, "run": request.occurrence,
             **{k: request.value.get(k) for k in ("state", "exit_status", "node", "ended")}}
 
 

@@ -18,7 +18,7 @@ import time
 from consulrun.consul.values import printable
 from consulrun.errors import ConsulrunError, ConsulUnavailable
 from consulrun.protocol import turns
-from consulrun.protocol.chain import requests_prefix
+from consulrun.protocol.chain import read_requests, requests_prefix
 
 TYPE_CHECKING = False  # typing's own flag without importing typing on every run
 if TYPE_CHECKING:
@@ -35,8 +35,10 @@ RETRY_S = (2.0, 5.0, 15.0, 30.0)  # pauses before starting the unit again for a 
 
 
 def _pending(client: Client, base: str, index: int | None, wait_s: float | None) -> tuple[int, list[str]]:
+    """The keys of the well-formed requests, oldest parent run first: a malformed one (said, by read_requests)
+    starts nothing, or the unit would be started for it again and again, skipping each time."""
     idx, entries = client.kv_get(requests_prefix(base), index=index, wait_s=wait_s, recurse=True)
-    return idx, sorted(e["Key"] for e in entries or [])
+    return idx, [r.key for r in read_requests({e["Key"]: e for e in entries or []}, base)]
 
 
 def _turn_s(client: Client, base: str, key: str, placement: Placement | None) -> float:

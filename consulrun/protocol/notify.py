@@ -84,7 +84,7 @@ class Pings:
         if self._finished:
             return
         self._finished = True
-        if self.output_lines and self.url:
+        if self.output_lines and self.url and os.environ.get("INVOCATION_ID"):
             # The job's output and this line share the unit's one journal stream, in order: once journald has
             # stored this line, it has stored all the job wrote before it (the ping thread waits for it).
             log.info("%s: %s", self.job, OUTPUT_MARK)
@@ -123,7 +123,8 @@ class Pings:
                 import urllib.request  # here: a run without a ping URL (most) does not pay for it
 
                 body = self._output() if with_output else None
-                request = urllib.request.Request(url, data=body, headers={"User-Agent": "consulrun"})
+                request = urllib.request.Request(url, data=body, headers={
+                    "User-Agent": "consulrun", **({"Content-Type": "text/plain; charset=utf-8"} if with_output else {})})
                 with urllib.request.urlopen(request, timeout=self.timeout_s) as response:  # noqa: S310 - http(s) only
                     response.read(1024)
             except (OSError, ValueError) as exc:  # urllib.error.URLError is an OSError

@@ -241,7 +241,7 @@ def _wait_readable(fds: list[int], timeout_s: float) -> None:
 
 
 def _job_environment(held: Held, spec: LockSpec, claim: dict[str, object] | None,
-                     pass_consul_token: bool = False, attempt: int = 1) -> dict[str, str]:
+                     pass_consul_token: bool = False, attempt: int = 1, node: str = "") -> dict[str, str]:
     """The wrapper's environment, less its Consul credentials (`CREDENTIAL_VARIABLES`): with them any job would
     hold the node's KV and session write rights (a job that needs them says `pass_consul_token: true`). The
     credential file itself stays in $CREDENTIALS_DIRECTORY, readable by the unit's user: docs/commands/run.md
@@ -250,14 +250,15 @@ def _job_environment(held: Held, spec: LockSpec, claim: dict[str, object] | None
     for name in ("CONSULRUN_TEST_PAUSE", "CONSULRUN_TEST_HOOK_DIR", "CONSULRUN_TEST_FAIL",
                  *(() if pass_consul_token else CREDENTIAL_VARIABLES)):
         env.pop(name, None)
-    env.update({"CONSULRUN_JOB": spec.job, "CONSULRUN_SESSION": held.session, "CONSULRUN_LOCK_KEY": held.key,
+    env.update({"CONSULRUN_JOB": spec.job, "CONSULRUN_NODE": node, "CONSULRUN_SESSION": held.session,
+                "CONSULRUN_LOCK_KEY": held.key,
                 "CONSULRUN_FENCING_TOKEN": str(held.fencing_token), "CONSULRUN_ATTEMPT": str(attempt)})
     if claim and claim.get("manual"):
         env["CONSULRUN_MANUAL"] = str(claim.get("requested_by"))
     elif claim and claim.get("after"):
         parent = claim["after"]
         env.update({"CONSULRUN_OCCURRENCE": str(claim["run"]), "CONSULRUN_PARENT_JOB": str(parent.get("job")),
-                    "CONSULRUN_PARENT_OCCURRENCE": str(parent.get("occurrence")),
+                    "CONSULRUN_PARENT_OCCURRENCE": str(parent.get("run")),
                     "CONSULRUN_PARENT_STATE": str(parent.get("state")),
                     "CONSULRUN_PARENT_EXIT_STATUS": "" if parent.get("exit_status") is None
                     else str(parent.get("exit_status"))})
@@ -462,7 +463,7 @@ def _run_held(request: RunRequest, locker: Locker, held: Held, fencing: Fencing,
                              signal.Signals(signum).name)
                     outcome = {"lost": f"{signal.Signals(signum).name} before the job started"}
                     return 128 + signum
-                env = _job_environment(held, spec, claim, request.pass_consul_token, attempt)
+                env = _job_environment(held, spec, claim, request.pass_consul_token, attempt, locker.node_name())
                 job = Job(list(request.command), env)  # no other thread while forking
                 signals.job = job
                 limit = None if not request.timeout_ms else \

@@ -156,7 +156,7 @@ def table(rows: list[dict[str, Any]], now: datetime) -> list[list[str]]:
         if isinstance(r["after"], dict):  # the parent run this one ran after, and how that ended
             parent = r["after"]
             ended = f"exit {parent.get('exit_status')}" if parent.get("exit_status") is not None else parent.get("state")
-            notes.append(f"after {parent.get('job')} {parent.get('occurrence')} ({ended})")
+            notes.append(f"after {parent.get('job')} {parent.get('run')} ({ended})")
         if r["retried"]:
             notes.append(f"retried after {duration(r['retry_after_s'])}" if isinstance(r["retry_after_s"], (int, float))
                          else "retried")
