@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import subprocess
+import signal
 import threading
 from datetime import datetime, timezone
 import time
@@ -61,6 +62,9 @@ def test_a_job_needs_a_schedule_or_after_and_a_chain_needs_one_holder() -> None:
     assert "jobs.b: missing required key 'schedule'" in _messages(JOBS + "  b:\n    command: /bin/true\n")
     text = JOBS + "  b:\n    command: /bin/true\n    after: [a]\n    lock: {concurrency: 2}\n"
     assert "jobs.b.after[0]: it runs with lock.concurrency above 1" in _messages(text)
+    many = JOBS + "".join(f"  c{i}:\n    command: /bin/true\n    after: [a]\n" for i in range(33))
+    assert "jobs.c32.after[0]: job 'a' has more than 32 jobs after it" in _messages(many)  # one txn holds them
+    parse_manifest(JOBS + "".join(f"  c{i}:\n    command: /bin/true\n    after: [a]\n" for i in range(32)), "m.yaml")
 
 
 def test_after_takes_names_and_mappings_and_on_is_a_word_not_yaml_s_boolean() -> None:
@@ -338,6 +342,78 @@ def test_the_watcher_starts_nothing_for_a_malformed_request(consul: Agent, tmp_p
         stop.set()
         _put(consul, "consulrun/child/after/wake", "x")
         thread.join(timeout=30)
+
+
+@pytest.mark.consul
+def test_a_parent_run_found_dead_by_the_next_occurrence_asks_for_its_failure_children(consul: Agent,
+                                                                                       tmp_path: Path) -> None:
+    """Red team: under skip, a run whose runner died is closed as abandoned by the next occurrence's claim; that
+    close asked for no chained run, so `on: failure`/`always` children never ran for it."""
+    import json
+
+    this = datetime.now(timezone.utc).year
+    assert _run("--schedule", YEARLY, "parent", "--", "true")[0] == 0
+    record = kv_json(consul, "consulrun/parent/occurrence")
+    # As a runner that died mid-run last year left it: running, its session long gone.
+    _put(consul, "consulrun/parent/occurrence", json.dumps({**record, "occurrence": f"{this - 1}-01-01T00:00:00Z",
+                                                             "state": "running", "ended": None, "exit_status": None,
+                                                             "session": "00000000-0000-0000-0000-000000000000"}))
+    code, _, err = _run("--schedule", YEARLY, "--then", "onfail:failure", "--then", "ok:success", "parent", "--",
+                        "true")
+    assert code == 0, err
+    last = f"{this - 1}-01-01T00:00:00Z"
+    assert kv_json(consul, f"consulrun/parent/history/{stamp(last)}")["state"] == "abandoned"
+    asked = kv_json(consul, f"consulrun/onfail/after/parent/{stamp(last)}")
+    assert asked and asked["state"] == "abandoned", asked
+    assert kv_json(consul, f"consulrun/ok/after/parent/{stamp(last)}") is None
+    assert kv_json(consul, f"consulrun/ok/after/parent/{stamp(f'{this}-01-01T00:00:00Z')}") is not None  # this year's
+
+
+@pytest.mark.consul
+def test_a_late_result_over_an_abandoned_guess_asks_for_no_second_end(consul: Agent, tmp_path: Path) -> None:
+    """Red team: another node recorded the run abandoned (its session gone; under skip that is final, and asked
+    for the failure children), then the runner's own late result landed over it and asked for the success
+    children too: one parent run, both ends. The first recorded end is the one the children get."""
+    import requests
+
+    hooks = tmp_path / "hooks"
+    hooks.mkdir()
+    thens = ["--then", "ok:success", "--then", "onfail:failure"]
+    parent = consulrun("run", "--schedule", YEARLY, *thens, "parent", "--", "true",
+                       env={"CONSULRUN_TEST_HOOK_DIR": str(hooks), "CONSULRUN_TEST_PAUSE": "releasing"})
+    wait_for(lambda: (hooks / "releasing").exists(), 60, "the parent between its job's end and its result")
+    session = consul.get("kv/consulrun/parent/lock")[0]["Session"]
+    requests.put(f"{consul.url}/v1/session/destroy/{session}", timeout=10)
+    code, _, err = _run("--schedule", YEARLY, *thens, "parent", "--", "true")  # another node's timer: it finds it dead
+    assert code == 0, err
+    occ = f"{datetime.now(timezone.utc).year}-01-01T00:00:00Z"
+    assert kv_json(consul, f"consulrun/onfail/after/parent/{stamp(occ)}") is not None
+    (hooks / "releasing.go").touch()
+    code, _, err = finish(parent)
+    assert code == 0 and "the result is recorded (exit status 0)" in err, err
+    assert kv_json(consul, f"consulrun/parent/history/{stamp(occ)}")["state"] == "done"  # what really happened
+    assert kv_json(consul, f"consulrun/ok/after/parent/{stamp(occ)}") is None  # but no second end
+
+
+@pytest.mark.consul
+def test_a_chained_run_stopped_before_its_job_started_gives_its_request_back(consul: Agent, tmp_path: Path) -> None:
+    """Red team: a stop between the claim and the fork recorded the chained run lost, used up the parent's end
+    and asked for the child's own failure children; now the request goes back and a node runs it."""
+    hooks = tmp_path / "hooks"
+    hooks.mkdir()
+    assert _run("--schedule", YEARLY, "--then", "child:success", "parent", "--", "true")[0] == 0
+    child = consulrun("run", "--after", "parent", "--then", "grand:failure", "child", "--", "touch",
+                      str(tmp_path / "ran"), env={"CONSULRUN_TEST_HOOK_DIR": str(hooks), "CONSULRUN_TEST_PAUSE": "acquired"})
+    wait_for(lambda: (hooks / "acquired").exists(), 60, "the child holding the lock, its job not started")
+    child.send_signal(signal.SIGTERM)  # systemctl stop, a shutdown, right after the claim
+    code, _, err = finish(child)
+    assert code == 143 and not (tmp_path / "ran").exists(), err
+    occ = f"{datetime.now(timezone.utc).year}-01-01T00:00:00Z"
+    assert kv_json(consul, f"consulrun/child/after/parent/{stamp(occ)}") is not None  # given back
+    assert kv_json(consul, f"consulrun/child/history/{stamp(occ)},after,parent") is None
+    code, _, err = _run("--after", "parent", "--then", "grand:failure", "child", "--", "touch", str(tmp_path / "ran"))
+    assert code == 0 and (tmp_path / "ran").exists(), err
+    assert kv_json(consul, f"consulrun/grand/after/child/{stamp(occ)},after,parent") is None  # it succeeded
 
 
 @pytest.mark.consul

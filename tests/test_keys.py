@@ -244,3 +244,15 @@ def test_the_hand_built_key_check_can_fail(tmp_path: Path, source: str) -> None:
     path = tmp_path / "mod.py"
     path.write_text(source + "\n")
     assert _hand_built_keys(path), source
+
+
+def test_hostile_key_names_are_read_in_one_pass_and_never_crash_a_reader() -> None:
+    """Red team: a key of 1,200 `,after,` parts overflowed the recursive reader (a RecursionError in the finish,
+    so a `retry` job ran one occurrence three times); an index of '²' passed isdigit() and crashed int()."""
+    deep = "consulrun/parent/history/x" + ",after,p" * 1200
+    assert keys.history_order(deep)[0].count("~after~") == 1200
+    assert keys.run_of_segment(keys.run_segment("2026-01-01T00:00:00Z" + "~after~p" * 1200)).count("~after~") == 1200
+    assert keys.episode_order("consulrun/j/ended-pauses/20261129T020000Z.\u00b2") == ("2026-11-29T02:00:00Z", 0)
+    # A chained run after a job named `x.manual` is a chained run, not a manual one, and is ordered by its time.
+    chained = keys.chained_history_key("consulrun/c", "2026-01-01T00:00:00Z~after~x.manual")
+    assert not keys.is_manual(chained) and keys.history_order(chained)[0] == "2026-01-01T00:00:00Z~after~x.manual"

@@ -311,3 +311,16 @@ def test_chains_and_each_node_runs_write_only_safe_keys(consul: Agent, strict: F
     assert all(kvkeys.is_safe(k) for k in [*written, *listed(consul, "consulrun/kid/"),
                                            *listed(consul, "consulrun/grandkid/"), *listed(consul, "consulrun/mom/")])
     assert strict.refusals == []
+
+
+def test_a_hostile_history_key_neither_crashes_the_finish_nor_repeats_the_run(consul: Agent, tmp_path: Path) -> None:
+    """Red team, session 11: `history/x,after,p,after,p,...` (1,200 parts) made every finish of a `retry` job
+    crash in its pruning, the result unrecorded, so the next run took the occurrence over and ran it again."""
+    seed(consul, "consulrun/deep/history/x" + ",after,p" * 1200, {"junk": True})
+    ran = tmp_path / "ran"
+    for _ in range(2):
+        code, _, err = finish(consulrun("run", "--schedule", YEARLY, "--on-holder-loss", "retry", "deep", "--",
+                                        "sh", "-c", f"echo x >> {ran}"))
+        assert code == 0 and "Traceback" not in err, err
+    assert ran.read_text() == "x\n"  # once: the second run found the occurrence done
+    assert kv_json(consul, "consulrun/deep/occurrence")["state"] == "done"

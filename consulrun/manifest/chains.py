@@ -28,6 +28,9 @@ def entries(raw: Any) -> list[tuple[int, str, str]]:
     return out
 
 
+MAX_CHILDREN = 32  # jobs after one parent: with pruning and the health check, well under Consul's 128 ops
+
+
 def parents(raw: dict[str, Any]) -> tuple[tuple[str, str], ...]:
     """The job's (parent, on) pairs, in the manifest's order."""
     return tuple((parent, on) for _, parent, on in entries(raw.get("after")))
@@ -71,6 +74,14 @@ def check(jobs: dict[str, Any], defaults: dict[str, Any], add: Callable[[tuple[A
                                    "chain joins occurrences (it needs lock.concurrency: 1)")
             seen.add(parent)
     _cycles(graph, add)
+    children: dict[str, list[tuple[Any, ...]]] = {}
+    for child, edges in graph.items():
+        for parent, where in edges:
+            children.setdefault(parent, []).append(where)
+    for parent, wheres in children.items():  # each child's request rides in the parent's result transaction
+        if len(wheres) > MAX_CHILDREN:
+            add(wheres[MAX_CHILDREN], f"job {parent!r} has more than {MAX_CHILDREN} jobs after it: their requests go "
+                                      "in its result's one transaction, which Consul caps at 128 operations")
 
 
 def _concurrency(job: Any, defaults: dict[str, Any]) -> int:

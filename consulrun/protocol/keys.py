@@ -130,15 +130,16 @@ def entry_key(directory: str, run: str, manual: bool = False) -> str:
 
 def run_segment(run: str) -> str:
     """A run's id as a key segment: an occurrence as its `stamp`, a chained run's `<run>~after~<parent>` as
-    `<run's segment>,after,<parent>` (a chain of chains nests)."""
-    parent_run, sep, parent = run.rpartition(CHAIN_SEPARATOR)
-    return f"{run_segment(parent_run)}{CHAINED}{segment(parent)}" if sep else stamp(run)
+    `<run's segment>,after,<parent>` (a chain of chains nests: one `,after,<job>` per link)."""
+    first, *parents = run.split(CHAIN_SEPARATOR)
+    return CHAINED.join([stamp(first), *(segment(p) for p in parents)])
 
 
 def run_of_segment(name: str) -> str:
-    """The run id `run_segment` made `name` from (an old key's segment as it is)."""
-    parent_run, sep, parent = name.rpartition(CHAINED)
-    return f"{run_of_segment(parent_run)}{CHAIN_SEPARATOR}{unsegment(parent)}" if sep else unstamp(name)
+    """The run id `run_segment` made `name` from (an old key's segment as it is). Iterative: a key anyone with
+    KV write made of a thousand `,after,` parts is read in a linear pass, never a recursion that overflows."""
+    first, *parents = name.split(CHAINED)
+    return CHAIN_SEPARATOR.join([unstamp(first), *(unsegment(p) for p in parents)])
 
 
 def after_prefix(base: str) -> str:
@@ -201,8 +202,8 @@ def unsegment(name: str) -> str:
 
 
 def is_manual(key: str) -> bool:
-    """A manual run's history entry, in either form."""
-    return key.endswith(MANUAL) or key.endswith(LEGACY_MANUAL)
+    """A manual run's history entry, in either form (not a chained run's after a job named `x.manual`)."""
+    return (key.endswith(MANUAL) or key.endswith(LEGACY_MANUAL)) and not is_chained(key)
 
 
 def is_chained(key: str) -> bool:
@@ -214,7 +215,7 @@ def history_order(key: str) -> tuple[str, int]:
     """Sort key of a history entry (a full key or the part after `history/`): the time it names, then the old
     form before the new one (an entry an old node wrote before a new one wrote the same name's)."""
     rest = key.rsplit("/", 1)[-1]
-    for suffix in (MANUAL, LEGACY_MANUAL):
+    for suffix in (MANUAL, LEGACY_MANUAL) if not is_chained(rest) else ():
         if rest.endswith(suffix):
             rest = rest[:-len(suffix)]
             break
@@ -226,7 +227,7 @@ def episode_order(key: str) -> tuple[str, int]:
     pause key's index (two pauses in one second)."""
     rest = key.rsplit("/", 1)[-1]
     at, _, index = rest.rpartition(LEGACY_EPISODE if LEGACY_EPISODE in rest else ".")
-    return unstamp(at), int(index) if index.isdigit() else 0
+    return unstamp(at), int(index) if re.fullmatch(r"[0-9]{1,18}", index) else 0  # isdigit takes '²'; int does not
 
 
 def _cover(key: str, directory: str) -> str | None:

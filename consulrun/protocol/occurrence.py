@@ -61,7 +61,7 @@ LOCK_DELAY_STEPS = 8
 # How far ahead of this node another node's clock may be: a record later than the next occurrence plus this
 # cannot have been claimed by a node whose clock agrees with ours (see Ledger.verdict).
 ALLOWED_SKEW_S = 300.0
-PRUNE_OPS = 50  # deletes a finish may carry: its transaction stays under Consul's 64 operations
+PRUNE_OPS = 50  # deletes a finish may carry: with up to 32 chained requests (chains.MAX_CHILDREN), under Consul's 128
 
 
 def future_limit(next_when: datetime | None, now: datetime | None = None) -> str:
@@ -165,11 +165,12 @@ class Ledger:
         """The entry under this ledger's history (a job's, or an each-node job's node's: eachnode.py)."""
         return keys.entry_key(self.history_prefix, occurrence)
 
-    def then_ops(self, final: dict[str, Any]) -> list[dict[str, Any]]:
+    def then_ops(self, final: dict[str, Any], settled: bool = False) -> list[dict[str, Any]]:
         """The chained jobs' requests `final` makes, if it is final: a lost or abandoned attempt of an occurrence
-        another node may take over (`retry`) is not; a chained run is never taken over."""
+        another node may take over (`retry`) is not, unless `settled` (a later occurrence is claimed: nobody
+        takes a past one over); a chained run is never taken over."""
         if not self.thens or (final.get("state") in FAILED_STATES and self.policy == "retry"
-                              and not final.get("after")):
+                              and not final.get("after") and not settled):
             return []
         from consulrun.protocol.chain import then_ops  # only a job with chained jobs needs it
 
@@ -237,11 +238,26 @@ class Ledger:
         return ops, claim
 
     def _close_earlier(self, occ: Occurrence, record: dict[str, Any]) -> list[dict[str, Any]]:
-        if record.get("state") == "running" and record.get("occurrence", "") < occ.id:
-            # Its runner died before recording a result: say so in the history rather than leave a gap.
-            return [kv_op("set", self.history_key(record["occurrence"]),
-                          _final(record, "abandoned", ABANDONED_REASON))]
+        """What claiming `occ` settles of the record's earlier occurrence: a run whose runner died before it
+        recorded a result goes into the history as abandoned, and, now that nobody can take it over, the runs
+        chained after its end are asked for (under `retry` also those of one recorded lost or abandoned)."""
+        if record.get("occurrence", "") >= occ.id:
+            return []
+        if record.get("state") == "running":
+            final = _final(record, "abandoned", ABANDONED_REASON)
+            return [kv_op("set", self.history_key(record["occurrence"]), final), *self.then_ops(final, settled=True)]
+        if record.get("state") in FAILED_STATES and self.policy == "retry" and not record.get("after"):
+            return self.then_ops(record, settled=True)  # its failed_ops left them to a takeover that never came
         return []
+
+    def requeue_ops(self, claim: dict[str, Any]) -> list[dict[str, Any]]:
+        """A chained run's claim given back (its job never started): its request again, its history entry gone."""
+        parent = claim.get("after") or {}
+        request = {"parent": parent.get("job"), "run": parent.get("run"),
+                   **{k: parent.get(k) for k in ("state", "exit_status", "node", "ended")}}
+        return [kv_op("delete", self.manual_key(claim)),
+                kv_op("cas", keys.chain_request_key(self.base, str(parent.get("job")), str(parent.get("run"))),
+                      request, Index=0)]
 
     def missed_ops(self, occ: Occurrence, snap: Snapshot, node: str | None, reason: str) -> list[dict[str, Any]]:
         """Record `occ` as missed (ran nowhere), valid only if the record is still at the index read: of the nodes
@@ -253,14 +269,15 @@ class Ledger:
                 kv_op("set", self.history_key(occ.id), missed), *self._close_earlier(occ, snap.record or {}),
                 *self.health_ops(missed)]
 
-    def finish_ops(self, claim: dict[str, Any], outcome: dict[str, Any], claim_index: int) -> list[dict[str, Any]]:
+    def finish_ops(self, claim: dict[str, Any], outcome: dict[str, Any], claim_index: int,
+                   chain: bool = True) -> list[dict[str, Any]]:
         """Operations that record the run's result and its history entry, pruning the oldest entries.
 
         The record is check-and-set on its index as our claim left it: a result never overwrites a takeover.
         """
         done = {**claim, **outcome, "state": "done"}
         ops = [kv_op("cas", self.record_key, done, Index=claim_index),
-               kv_op("set", self.history_key(claim["occurrence"]), done), *self.then_ops(done)]
+               kv_op("set", self.history_key(claim["occurrence"]), done), *(self.then_ops(done) if chain else [])]
         return ops + self.prune_ops(self._history_entries(), keep=self.history_key(claim["occurrence"])) + \
             self.health_ops(done)
 
@@ -300,12 +317,12 @@ class Ledger:
         return keys.delete_ops(doomed, [*listed, keep], self.history_prefix)[0][:PRUNE_OPS]
 
     def failed_ops(self, record: dict[str, Any], record_index: int, state: str,
-                   reason: str) -> list[dict[str, Any]]:
+                   reason: str, chain: bool = True) -> list[dict[str, Any]]:
         """Record `record`'s attempt as lost/abandoned, only if the record is still at `record_index`."""
         final = _final(record, state, reason)
         return [kv_op("cas", self.record_key, final, Index=record_index),
-                kv_op("set", self.history_key(record["occurrence"]), final), *self.then_ops(final),
-                *self.health_ops(final)]
+                kv_op("set", self.history_key(record["occurrence"]), final),
+                *(self.then_ops(final) if chain else []), *self.health_ops(final)]
 
     def record_index_after_claim(self, held: Held) -> int:
         """The record's ModifyIndex as our claim left it (from the claim transaction's results)."""

@@ -55,6 +55,7 @@ FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 # Nothing listening at the agent's address is an agent still starting only this soon after the system (its PID 1)
 # started: a Persistent=true catch-up at boot. Later it is an agent that is down: exit 69 at once.
 BOOTING_S = 600.0
+NOT_STARTED = "_not_started"  # an outcome's mark (never recorded): the job was never forked
 
 
 @record
@@ -422,7 +423,7 @@ def _run_held(request: RunRequest, locker: Locker, held: Held, fencing: Fencing,
         if signals.received:
             signum = signals.received[0]
             log.info("%s: %s after acquiring the lock; the job is not started", spec.job, signal.Signals(signum).name)
-            outcome = {"lost": f"{signal.Signals(signum).name} before the job started"}
+            outcome = {"lost": f"{signal.Signals(signum).name} before the job started", NOT_STARTED: True}
             return 128 + signum
         from consulrun.protocol.child import Job, become_subreaper
 
@@ -461,7 +462,7 @@ def _run_held(request: RunRequest, locker: Locker, held: Held, fencing: Fencing,
                     signum = signals.received[0]
                     log.info("%s: %s before the job started; the job is not started", spec.job,
                              signal.Signals(signum).name)
-                    outcome = {"lost": f"{signal.Signals(signum).name} before the job started"}
+                    outcome = {"lost": f"{signal.Signals(signum).name} before the job started", NOT_STARTED: True}
                     return 128 + signum
                 env = _job_environment(held, spec, claim, request.pass_consul_token, attempt, locker.node_name())
                 job = Job(list(request.command), env)  # no other thread while forking
@@ -514,11 +515,11 @@ def _run_held(request: RunRequest, locker: Locker, held: Held, fencing: Fencing,
                 return status
             before, claim, attempt = (claim, outcome, status), nxt, attempt + 1
     except NotConfirmed as exc:
-        outcome = {"lost": str(exc)}
+        outcome = {"lost": str(exc), NOT_STARTED: True}
         log.error("%s: lock lost before the job started: %s; the job is not started", spec.job, exc)
         return ExitCode.LOCK_LOST
     except JobNotStarted as exc:
-        outcome = {"lost": str(exc)}
+        outcome = {"lost": str(exc), NOT_STARTED: True}
         status = exc.exit_code
         log.error("%s: %s", spec.job, exc.message)
         return status
@@ -676,6 +677,15 @@ def _record_and_release(locker: Locker, held: Held, ledger: occurrence.Ledger | 
             log.warning("%s: the lock was no longer ours when the job ended and is held again or its run's end "
                         "recorded; this run's result is not recorded", job)
         return False
+    if claim.get("after") and outcome.get(NOT_STARTED):
+        # A chained run claimed but never started (a stop, a lost lock, its command missing) gives its request
+        # back, so a node runs it: no history entry, and no run chained after it.
+        ops = ledger.requeue_ops(claim)
+        if locker.release(held, {k: v for k, v in outcome.items() if k != NOT_STARTED}, ops):
+            return True
+        locker.client.txn(ops)
+        return False
+    outcome = {k: v for k, v in outcome.items() if k != NOT_STARTED}
     if claim.get("manual") or claim.get("after"):  # no occurrence: its history entry is all it records
         state = "lost" if outcome.get("lost") or not outcome else "done"
         ops = ledger.manual_finish_ops(claim, {"reason": outcome["lost"]} if outcome.get("lost") else outcome, state)
@@ -686,10 +696,10 @@ def _record_and_release(locker: Locker, held: Held, ledger: occurrence.Ledger | 
     failed = bool(outcome.get("lost")) or not outcome
     reason = outcome.get("lost") or "consulrun stopped before the job ended"
 
-    def ops_at(index: int) -> list[dict[str, Any]]:
+    def ops_at(index: int, chain: bool = True) -> list[dict[str, Any]]:
         if failed:
-            return ledger.failed_ops({**claim, **outcome}, index, "lost", reason)
-        return ledger.finish_ops(claim, outcome, index)
+            return ledger.failed_ops({**claim, **outcome}, index, "lost", reason, chain=chain)
+        return ledger.finish_ops(claim, outcome, index, chain=chain)
 
     if locker.release(held, outcome, ops_at(ledger.record_index_after_claim(held))):
         return True
@@ -707,8 +717,10 @@ def _record_and_release(locker: Locker, held: Held, ledger: occurrence.Ledger | 
         return True  # an earlier attempt of this finish went through; its answer was lost
     if this_attempt and record.get("state") in ("running", "abandoned"):
         # The lock is gone (our session ended) but nobody took the occurrence over: record what really happened,
-        # also over another node's "abandoned" guess.
-        if locker.client.txn(ops_at(snap.record_index), optional_checks=True) is not None:
+        # also over another node's "abandoned" guess. That guess, if final (not under `retry`, where a standby
+        # may still run it), already asked for the runs chained after it: one parent end asks once.
+        chain = record.get("state") != "abandoned" or ledger.policy == "retry"
+        if locker.client.txn(ops_at(snap.record_index, chain), optional_checks=True) is not None:
             log.warning("%s: the lock was no longer ours when the job ended; the result is recorded (%s)", job,
                         "lost" if failed else f"exit status {outcome.get('exit_status')}")
             return False
