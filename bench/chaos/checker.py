@@ -28,8 +28,14 @@ from typing import Any
 from bench.chaos.logs import read
 from bench.chaos.report import markdown
 
-CLIENT_FAULTS = {"agent-kill", "partition-client", "wrapper-kill", "pause", "skew"}
-FENCING_FAULTS = ("agent-kill", "partition-client", "wrapper-kill", "partition-server", "leader-kill")
+# Booted systemd nodes add unit-kill, freeze, poweroff and power-cut (bench/chaos/systemd_faults.py).
+CLIENT_FAULTS = {"agent-kill", "partition-client", "wrapper-kill", "pause", "skew",
+                 "unit-kill", "freeze", "poweroff", "power-cut"}
+FENCING_FAULTS = ("agent-kill", "partition-client", "wrapper-kill", "partition-server", "leader-kill",
+                  "unit-kill", "poweroff", "power-cut")
+NODE_FAULTS = {"agent-kill", "partition-client", "poweroff", "power-cut"}  # hit every run on their node
+WRAPPER_FAULTS = {"wrapper-kill", "unit-kill"}  # hit the run of one wrapper
+PAUSE_FAULTS = {"pause", "freeze"}  # stop runs (their `pids`) without killing them
 RECOVERY_S = 1.0  # slack after a node's recovery (its agent reads through the servers again)
 HEARTBEAT_S = 0.15  # heartbeat period and some slack
 HOLDER_SEEN_S = 1.0  # a fault may hit a holder between its acquisition and its job's first line
@@ -99,7 +105,7 @@ def load_runs(path: Path) -> tuple[dict[str, list[Run]], list[dict[str, Any]]]:
     timer_events: list[dict[str, Any]] = []
     for line in read(path):
         event = line["ev"]
-        if event in ("fire", "busy", "exit", "stop-post"):
+        if event in ("fire", "busy", "exit", "stop-post", "on-failure"):
             timer_events.append(line)
             continue
         job, pid, token, t = line["job"], line["pid"], line.get("token", 0), line["t"]
@@ -136,7 +142,7 @@ def check(out: Path) -> dict[str, Any]:
     runs_by_job, timer_events = load_runs(out / "history.log")
     faults = load_faults(out / "nemesis.log", meta.get("t_end") or meta["fire_until"])
     for fault in faults:
-        if fault.kind == "pause":
+        if fault.kind in PAUSE_FAULTS:
             for run in (r for runs in runs_by_job.values() for r in runs):
                 if run.pid in fault.pids() or run.wrapper in fault.pids():
                     run.paused.append(fault.id)
@@ -300,9 +306,9 @@ class _Job:
                 if (run.ended or not run.start - HOLDER_SEEN_S <= fault.start <= run.last + HEARTBEAT_S
                         or run.pid in fenced):
                     continue
-                if fault.kind in ("agent-kill", "partition-client") and run.node != fault.node:
+                if fault.kind in NODE_FAULTS and run.node != fault.node:
                     continue
-                if fault.kind == "wrapper-kill" and run.wrapper != fault.line.get("wrapper"):
+                if fault.kind in WRAPPER_FAULTS and run.wrapper != fault.line.get("wrapper"):
                     continue
                 fencing[fault.kind].append(max(0.0, run.last - fault.start))
                 fenced.add(run.pid)

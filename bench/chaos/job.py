@@ -7,6 +7,10 @@ starts this script through `env -u LD_PRELOAD ...`, so its clock is never the
 skewed one. Standard library only, started with `python -S` to start fast.
 
 Usage: job.py LOG JOB NODE SECONDS
+
+NODE may be `@PATH`, a JSON file with the node's name and a pid base (a booted
+container writes pids of its own PID namespace; the base keeps them distinct
+across nodes in the one history).
 """
 
 import json
@@ -19,13 +23,18 @@ def main() -> None:
     log, job, node, seconds = sys.argv[1], sys.argv[2], sys.argv[3], float(sys.argv[4])
     fd = os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     token = int(os.environ.get("CONSULRUN_FENCING_TOKEN", "0"))
-    pid = os.getpid()
+    base = 0
+    if node.startswith("@"):
+        with open(node[1:], encoding="utf-8") as handle:
+            identity = json.load(handle)
+        node, base = identity["node"], int(identity["pid_base"])
+    pid = base + os.getpid()
 
     def emit(event: str, **fields: object) -> None:
         line = json.dumps({"t": round(time.time(), 4), "ev": event, "job": job, "pid": pid, "token": token, **fields})
         os.write(fd, (line + "\n").encode())
 
-    emit("start", node=node, wrapper=os.getppid(), occ=os.environ.get("CONSULRUN_OCCURRENCE"),
+    emit("start", node=node, wrapper=base + os.getppid(), occ=os.environ.get("CONSULRUN_OCCURRENCE"),
          session=os.environ.get("CONSULRUN_SESSION"))
     began = time.monotonic()
     beat = 1

@@ -34,6 +34,10 @@ from bench.chaos.logs import AppendLog
 from bench.chaos.timers import Fleet, Wrapper, descendants, signal_all
 from tests.harness.bigcluster import BigCluster
 
+# Kinds other modules define (bench/chaos/systemd_faults.py), by name: a function of the nemesis that injects one
+# fault (starting it with `_start`, waiting with `_sleep`); `inject` heals it after.
+EXTRA_KINDS: dict[str, Callable[["Nemesis"], None]] = {}
+
 KINDS = {"agent-kill": 2, "partition-client": 2, "partition-server": 1, "leader-kill": 1, "wrapper-kill": 2,
          "pause": 2, "skew": 1}
 
@@ -116,6 +120,9 @@ class Nemesis(threading.Thread):
         return None if pending else round(time.time(), 4)
 
     def inject(self, kind: str) -> None:
+        if kind in EXTRA_KINDS:
+            EXTRA_KINDS[kind](self)
+            return self.heal()
         cluster = self.cluster
         if kind in ("agent-kill", "partition-client"):
             agent = cluster.by_name(self._client_target())
