@@ -281,7 +281,7 @@ class _Job:
             item = {"occurrence": occ, "healthy_nodes": always_healthy, "attempts_killed": attempts_killed[occ],
                     "faults": [f.label() for f in active_faults(self.faults, window[0] - self.horizon, window[1])],
                     "wrappers": [{k: e.get(k) for k in ("ev", "node", "status", "ran", "last")}
-                                 for e in self.fires if e["sched"] == occ and e["ev"] in ("exit", "busy")],
+                                 for e in self.fires if e.get("sched") == occ and e["ev"] in ("exit", "busy")],
                     "evidence": [ln for r in self.by_occ.get(occ, []) for ln in r.lines]}
             if not healthy:
                 lost_no_healthy.append(item)

@@ -73,7 +73,12 @@ def main(argv: list[str]) -> int:
     identity = json.loads(Path(nodefile).read_text())
     node, base = identity["node"], int(identity["pid_base"])
     if what == "on-failure":
-        _emit(log, "on-failure", node=node, job=os.environ.get("CONSULRUN_JOB", ""),
+        job = os.environ.get("CONSULRUN_JOB", "")
+        try:
+            sched = json.loads((STATE / f"{job}.json").read_text())["sched"]
+        except (OSError, ValueError, KeyError):
+            sched = ""
+        _emit(log, "on-failure", node=node, job=job, sched=sched,
               result=os.environ.get("CONSULRUN_RESULT", ""), status=os.environ.get("CONSULRUN_EXIT_STATUS", ""))
         return 0
     job, specs = argv[3], argv[4:]
