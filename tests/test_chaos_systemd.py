@@ -71,3 +71,76 @@ def test_short_chaos_run_on_systemd_nodes_keeps_the_guarantees(consul_bin: str, 
         shutil.copytree(out, dest / "chaos", dirs_exist_ok=True, ignore=shutil.ignore_patterns("nodes"))
         (dest / "runner.stderr").write_text(stderr)
         raise
+
+
+def test_the_nodes_manifest_renders_and_systemd_accepts_its_units_with_the_drop_in(tmp_path: Path) -> None:
+    """What every node installs: a manifest consulrun accepts, whose units (with the run's drop-in beside each
+    job's service) systemd-analyze verify passes without a word."""
+    from bench.chaos.nodes import drop_in, manifest_text
+    from bench.chaos.run import DEFAULT_JOBS, parse_job
+    from bench.chaos.timers import LockSettings
+
+    jobs = [parse_job(j) for j in DEFAULT_JOBS]
+    text = manifest_text(jobs, LockSettings(max_delay_s=2.0))
+    (tmp_path / "chaos.yaml").write_text(text)
+    units = tmp_path / "units"
+    done = subprocess.run([sys.executable, "-m", "consulrun", "generate", str(tmp_path / "chaos.yaml"), "-o",
+                           str(units)], capture_output=True, text=True, check=False)
+    assert done.returncode == 0, done.stderr
+    timer = (units / "consulrun-retry30.timer").read_text()
+    assert "AccuracySec=1s\n" in timer and "RandomizedDelaySec=1s\n" in timer and "Persistent=true\n" in timer
+    assert (units / "consulrun-_watchdog.timer").exists()  # health_checks: the watchdog runs under chaos too
+    service = (units / "consulrun-retry30.service").read_text()
+    assert "OnFailure=" in service and "--on-holder-loss retry" in service
+    for job in jobs:
+        extra = units / f"consulrun-{job.name}.service.d"
+        extra.mkdir()
+        (extra / "chaos.conf").write_text(drop_in(job))
+    require_tool("systemd-analyze")
+    files = sorted(str(p) for p in units.iterdir() if p.suffix in (".service", ".timer"))
+    # verify adds each file's directory to the unit path: the drop-ins beside the services are read too
+    verify = subprocess.run(["systemd-analyze", "verify", "--man=no", *files], capture_output=True, text=True,
+                            cwd=units, check=False)
+    assert verify.returncode == 0 and not verify.stderr.strip(), verify.stderr
+
+
+def test_the_unit_hook_writes_what_the_checker_reads(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """fire: the occurrence `run` computes; exit: systemd's view of the wrapper's end as the emulated fleet writes
+    it (a signal as 128+N), with the occurrence fire kept; pids carry the node's base."""
+    from bench.chaos import unit_hook
+    from bench.chaos.checker import load_runs
+
+    log, nodefile = tmp_path / "history.log", tmp_path / "node.json"
+    nodefile.write_text(json.dumps({"node": "client2", "index": 2, "boot": 1, "pid_base": 20_100_000}))
+    monkeypatch.setattr(unit_hook, "STATE", tmp_path / "run")
+    monkeypatch.setattr(unit_hook, "_main_pid", lambda unit: 42)
+    monkeypatch.setattr(unit_hook, "_last_line", lambda pid: "consulrun: j: released chaos/j/lock")
+    unit_hook.main(["fire", str(log), str(nodefile), "j", "*:*:0/10"])
+    monkeypatch.setenv("EXIT_CODE", "killed")
+    monkeypatch.setenv("EXIT_STATUS", "KILL")
+    monkeypatch.setenv("SERVICE_RESULT", "signal")
+    unit_hook.main(["exit", str(log), str(nodefile), "j", "*:*:0/10"])
+    monkeypatch.setenv("CONSULRUN_JOB", "j")
+    unit_hook.main(["on-failure", str(log), str(nodefile)])
+    fire, exit_, failure = [json.loads(line) for line in log.read_text().splitlines()]
+    assert fire["ev"] == "fire" and fire["node"] == "client2" and fire["sched"].endswith("0Z")
+    assert (exit_["status"], exit_["wrapper"], exit_["sched"]) == (137, 20_100_042, fire["sched"])
+    assert failure["ev"] == "on-failure" and failure["sched"] == fire["sched"]
+    runs, timer_events = load_runs(log)
+    assert not runs and [e["ev"] for e in timer_events] == ["fire", "exit", "on-failure"]
+
+
+def test_a_pause_marks_only_the_runs_alive_at_it(tmp_path: Path) -> None:
+    """A node booted again numbers its pids from 1: a later run with a frozen run's pid was not frozen (its tail
+    would be counted from a thaw long before it started)."""
+    from tests.test_chaos import OCC, T0, _fires, _run, _write
+
+    frozen = _run("s", "c1", 100, OCC[0], 10, T0 + 0.5, 10)
+    again = _run("s", "c1", 100, OCC[2], 20, T0 + 10.5, 10)  # the same pid, after a reboot
+    history = sorted([*_fires("s", 0), *_fires("s", 2), *frozen, *again], key=lambda line: line["t"])
+    nemesis = [{"t": T0 + 0.7, "ev": "fault", "id": 1, "kind": "freeze", "node": "c1", "pids": [100, 99]},
+               {"t": T0 + 3, "ev": "heal", "id": 1, "kind": "freeze", "healed": T0 + 3, "recovered": T0 + 3}]
+    report = _write(tmp_path, history, nemesis)
+    assert report["violations"] == []
+    assert report["jobs"]["s"]["fenced_after_pause_s"]["n"] == 1
+    assert report["jobs"]["s"]["fenced_after_pause_s"]["max"] < 1

@@ -144,7 +144,9 @@ def check(out: Path) -> dict[str, Any]:
     for fault in faults:
         if fault.kind in PAUSE_FAULTS:
             for run in (r for runs in runs_by_job.values() for r in runs):
-                if run.pid in fault.pids() or run.wrapper in fault.pids():
+                # Pids come back (a node booted again numbers from 1): only a run alive at the pause was paused.
+                alive = run.start - HOLDER_SEEN_S <= fault.start <= run.last + HEARTBEAT_S
+                if alive and (run.pid in fault.pids() or run.wrapper in fault.pids()):
                     run.paused.append(fault.id)
     report: dict[str, Any] = {"command": meta.get("command"), "duration_s": meta.get("duration_s"),
                               "ttl_s": ttl, "lock_delay_s": lock_delay,

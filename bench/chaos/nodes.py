@@ -16,8 +16,9 @@ The run's directory is bound at /chaos in every node: the jobs (bench/chaos/
 job.py) append to /chaos/history.log as they do on the emulated fleet, and a
 drop-in beside each job's service (bench/chaos/unit_hook.py) adds the `fire`
 and `exit` lines the emulated timers write. Pids in the history are the
-node's own plus a per-node base (1,000,000 x node number): PID namespaces
-would otherwise make them collide.
+node's own plus a base of 10,000,000 x node number + 100,000 x boot number
+(see `boot`): PID namespaces, and a node booted again, would otherwise make
+them collide.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ HOOK = Path(__file__).resolve().with_name("unit_hook.py")
 INSIDE = Path("/chaos")  # the run's directory inside every node
 NODEFILE = "/etc/consulrun-chaos-node.json"
 AGENT_UNIT = "consul.service"
-PID_BASE = 1_000_000
+NODE_PIDS, BOOT_PIDS = 10_000_000, 100_000  # pid bases: a node's, and each of its boots'
 CONSULRUN = str(Path(sys.executable).with_name("consulrun"))
 
 _AGENT_UNIT_TEXT = """[Unit]
@@ -65,9 +66,7 @@ WantedBy=multi-user.target
 
 
 class NodeAgent(Agent):
-    """A node's agent, seen from the host: reached through the bridge; alive while its unit is active."""
-
-    container: Container
+    """A node's agent, seen from the host: reached through the bridge; alive while it answers."""
 
     def alive(self) -> bool:
         try:
@@ -123,7 +122,21 @@ def _write_node_config(ctr: Container, index: int, name: str, ip: str, servers: 
     # next status line or console log (a power-off then hangs until killed). The node's journal has it all anyway.
     (etc / "systemd" / "system.conf.d").mkdir(parents=True, exist_ok=True)
     (etc / "systemd" / "system.conf.d" / "chaos-console.conf").write_text("[Manager]\nShowStatus=no\nLogTarget=journal\n")
-    (etc / NODEFILE.removeprefix("/etc/")).write_text(json.dumps({"node": name, "pid_base": index * PID_BASE}))
+    (etc / NODEFILE.removeprefix("/etc/")).write_text(json.dumps({"node": name, "index": index, "boot": 0}))
+
+
+def boot(ctr: Container, timeout: float = 240) -> Container:
+    """Boot a node (again), its history pids based anew: a booted node's PID namespace numbers from 1 again."""
+    if int(Path("/proc/sys/kernel/pid_max").read_text()) >= BOOT_PIDS:
+        raise RuntimeError(f"pid_max is {BOOT_PIDS} or more: a node's pids would not fit under its pid base")
+    path = ctr.dir / "upper" / NODEFILE.removeprefix("/")
+    identity = json.loads(path.read_text())
+    identity["boot"] += 1
+    if identity["boot"] * BOOT_PIDS >= NODE_PIDS:
+        raise RuntimeError(f"{identity['node']} booted {identity['boot']} times: its pids would reach the next node's")
+    identity["pid_base"] = identity["index"] * NODE_PIDS + identity["boot"] * BOOT_PIDS
+    path.write_text(json.dumps(identity))
+    return ctr.start(timeout)
 
 
 def drop_in(job: JobSpec) -> str:
@@ -316,7 +329,7 @@ def boot_nodes(network: Any, cluster: BigCluster, consul: str, out: Path, count:
     whole = SystemdCluster(binary=cluster.binary, workdir=cluster.workdir, network=network, servers=cluster.servers,
                            clients=clients, nodes=nodes)
     with ThreadPoolExecutor(count) as pool:
-        for started in [pool.submit(ctr.start, 240) for ctr in nodes]:
+        for started in [pool.submit(boot, ctr) for ctr in nodes]:
             started.result()
     whole.wait_ready(timeout=180)
     return whole

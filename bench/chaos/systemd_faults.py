@@ -21,7 +21,7 @@ import subprocess
 from pathlib import Path
 
 from bench.chaos.nemesis import EXTRA_KINDS, Nemesis
-from bench.chaos.nodes import NodeFleet, SystemdCluster
+from bench.chaos.nodes import NodeFleet, SystemdCluster, boot
 from tests.harness.nspawn import Container, _cgroup_dirs
 
 # What a run with systemd nodes injects by default, and how often (weights, as nemesis.KINDS).
@@ -98,7 +98,7 @@ def _power_cycle(nemesis: Nemesis, kind: str) -> None:
         ctr.power_off()  # nspawn asks the node's systemd to stop every unit and power off
     else:
         _unified(ctr, "cgroup.kill").write_text("1")
-    nemesis._start(kind, lambda: ctr.start(240), node=name, pids=pids)
+    nemesis._start(kind, lambda: boot(ctr), node=name, pids=pids)
     if ctr.process is not None:
         try:
             ctr.process.wait(timeout=30)

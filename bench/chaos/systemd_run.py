@@ -23,7 +23,7 @@ from bench.chaos import systemd_faults
 from bench.chaos.checker import check
 from bench.chaos.logs import AppendLog
 from bench.chaos.nemesis import Nemesis
-from bench.chaos.nodes import NodeFleet, SystemdCluster, boot_nodes
+from bench.chaos.nodes import NodeFleet, SystemdCluster, boot, boot_nodes
 from bench.chaos.report import markdown
 from bench.chaos.run import SUBNET, _on_signal, _say, _Stop, condition_holds
 from bench.chaos.timers import LockSettings
@@ -159,7 +159,7 @@ def _heal_everything(cluster: SystemdCluster) -> None:
     for ctr in cluster.nodes:
         if ctr.process is None or ctr.process.poll() is not None:
             ctr.stop()
-            ctr.start(240)
+            boot(ctr)
     for agent in cluster.agents:
         cluster.restart(agent)
     wait_for(lambda: cluster.leader(), 60, "a Raft leader after the run")
