@@ -21,7 +21,9 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import artifact_dir, require_tool
-from tests.test_chaos import _our_namespaces
+from tests.harness.agents import wait_for
+from tests.harness.nspawn import _cgroup_dirs
+from tests.test_chaos import _our_namespaces, _processes_mentioning
 
 pytestmark = [pytest.mark.systemd, pytest.mark.consul, pytest.mark.cluster]
 
@@ -144,3 +146,27 @@ def test_a_pause_marks_only_the_runs_alive_at_it(tmp_path: Path) -> None:
     assert report["violations"] == []
     assert report["jobs"]["s"]["fenced_after_pause_s"]["n"] == 1
     assert report["jobs"]["s"]["fenced_after_pause_s"]["max"] < 1
+
+
+def test_ctrl_c_leaves_no_node_mount_namespace_or_process(consul_bin: str, tmp_path: Path) -> None:
+    """Ctrl-C while the nodes run their jobs: exit 130, and no container, overlay, cgroup, namespace or process of
+    the run is left."""
+    require_tool("systemd-nspawn")
+    if os.geteuid() != 0:
+        pytest.fail("the chaos run needs root (network namespaces, containers)", pytrace=False)
+    out = tmp_path / "chaos"
+    proc = subprocess.Popen([sys.executable, "-m", "bench.chaos", "--nodes", "systemd", "--duration", "10m",
+                             "--out", str(out), "--job", "skip10:skip:4:*:*:0/10"], cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for(lambda: '"start"' in (out / "history.log").read_text(), 180, "a job to start on a booted node")
+        assert _our_namespaces(f"x{proc.pid % 100000}") and _left_mounts(out)
+    finally:
+        proc.send_signal(signal.SIGINT)
+        _, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 130, stderr[-3000:]
+    assert not _our_namespaces(f"x{proc.pid % 100000}")
+    assert not _left_mounts(out)
+    containers = json.loads((out / "run.json").read_text())["containers"]
+    assert len(containers) == 3 and not [d for c in containers for d in _cgroup_dirs(c) if d.exists()]
+    assert not _processes_mentioning(str(out))
