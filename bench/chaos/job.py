@@ -9,8 +9,8 @@ skewed one. Standard library only, started with `python -S` to start fast.
 Usage: job.py LOG JOB NODE SECONDS
 
 NODE may be `@PATH`, a JSON file with the node's name and a pid base (a booted
-container writes pids of its own PID namespace; the base keeps them distinct
-across nodes in the one history).
+container writes pids of its own PID namespace, numbered from 1 at each boot;
+the base, per node and boot, keeps them distinct in the one history).
 """
 
 import json
