@@ -34,9 +34,14 @@ from bench.chaos.consul_faults import RESTORE_KINDS
 from bench.chaos.logs import read
 from bench.chaos.report import markdown
 
-CLIENT_FAULTS = {"agent-kill", "partition-client", "wrapper-kill", "pause", "skew"}
+# Booted systemd nodes add unit-kill, freeze, poweroff and power-cut (bench/chaos/systemd_faults.py).
+CLIENT_FAULTS = {"agent-kill", "partition-client", "wrapper-kill", "pause", "skew",
+                 "unit-kill", "freeze", "poweroff", "power-cut"}
 FENCING_FAULTS = ("agent-kill", "partition-client", "wrapper-kill", "partition-server", "leader-kill",
-                  "rolling-restart", "snapshot-restore")
+                  "rolling-restart", "snapshot-restore", "unit-kill", "poweroff", "power-cut")
+NODE_FAULTS = {"agent-kill", "partition-client", "poweroff", "power-cut"}  # hit every run on their node
+WRAPPER_FAULTS = {"wrapper-kill", "unit-kill"}  # hit the run of one wrapper
+PAUSE_FAULTS = {"pause", "freeze"}  # stop runs (their `pids`) without killing them
 RECOVERY_S = 1.0  # slack after a node's recovery (its agent reads through the servers again)
 HEARTBEAT_S = 0.15  # heartbeat period and some slack
 HOLDER_SEEN_S = 1.0  # a fault may hit a holder between its acquisition and its job's first line
@@ -106,7 +111,7 @@ def load_runs(path: Path) -> tuple[dict[str, list[Run]], list[dict[str, Any]]]:
     timer_events: list[dict[str, Any]] = []
     for line in read(path):
         event = line["ev"]
-        if event in ("fire", "busy", "exit", "stop-post"):
+        if event in ("fire", "busy", "exit", "stop-post", "on-failure"):
             timer_events.append(line)
             continue
         job, pid, token, t = line["job"], line["pid"], line.get("token", 0), line["t"]
@@ -143,9 +148,11 @@ def check(out: Path) -> dict[str, Any]:
     runs_by_job, timer_events = load_runs(out / "history.log")
     faults = load_faults(out / "nemesis.log", meta.get("t_end") or meta["fire_until"])
     for fault in faults:
-        if fault.kind == "pause":
+        if fault.kind in PAUSE_FAULTS:
             for run in (r for runs in runs_by_job.values() for r in runs):
-                if run.pid in fault.pids() or run.wrapper in fault.pids():
+                # Pids come back (a node booted again numbers from 1): only a run alive at the pause was paused.
+                alive = run.start - HOLDER_SEEN_S <= fault.start <= run.last + HEARTBEAT_S
+                if alive and (run.pid in fault.pids() or run.wrapper in fault.pids()):
                     run.paused.append(fault.id)
     report: dict[str, Any] = {"command": meta.get("command"), "duration_s": meta.get("duration_s"),
                               "ttl_s": ttl, "lock_delay_s": lock_delay,
@@ -367,7 +374,7 @@ class _Job:
             item = {"occurrence": occ, "healthy_nodes": always_healthy, "attempts_killed": attempts_killed[occ],
                     "faults": [f.label() for f in active_faults(self.faults, window[0] - self.horizon, window[1])],
                     "wrappers": [{k: e.get(k) for k in ("ev", "node", "status", "ran", "last")}
-                                 for e in self.fires if e["sched"] == occ and e["ev"] in ("exit", "busy")],
+                                 for e in self.fires if e.get("sched") == occ and e["ev"] in ("exit", "busy")],
                     "evidence": [ln for r in self.by_occ.get(occ, []) for ln in r.lines]}
             if not healthy:
                 lost_no_healthy.append(item)
@@ -397,9 +404,9 @@ class _Job:
                 if (run.ended or not run.start - HOLDER_SEEN_S <= fault.start <= run.last + HEARTBEAT_S
                         or run.pid in fenced):
                     continue
-                if fault.kind in ("agent-kill", "partition-client") and run.node != fault.node:
+                if fault.kind in NODE_FAULTS and run.node != fault.node:
                     continue
-                if fault.kind == "wrapper-kill" and run.wrapper != fault.line.get("wrapper"):
+                if fault.kind in WRAPPER_FAULTS and run.wrapper != fault.line.get("wrapper"):
                     continue
                 fencing[fault.kind].append(max(0.0, run.last - fault.start))
                 fenced.add(run.pid)

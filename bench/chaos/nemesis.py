@@ -35,6 +35,10 @@ from bench.chaos.logs import AppendLog
 from bench.chaos.timers import Fleet, Wrapper, descendants, signal_all
 from tests.harness.bigcluster import BigCluster
 
+# Kinds other modules define (bench/chaos/systemd_faults.py), by name: a function of the nemesis that injects one
+# fault (starting it with `_start`, waiting with `_sleep`); `inject` heals it after.
+EXTRA_KINDS: dict[str, Callable[["Nemesis"], None]] = {}
+
 KINDS = {"agent-kill": 2, "partition-client": 2, "partition-server": 1, "leader-kill": 1, "wrapper-kill": 2,
          "pause": 2, "skew": 1}
 # Opt-in kinds, each module's own (`--faults` names them; never in the default set), with the function that
@@ -121,6 +125,9 @@ class Nemesis(threading.Thread):
         return None if pending else round(time.time(), 4)
 
     def inject(self, kind: str) -> None:
+        if kind in EXTRA_KINDS:
+            EXTRA_KINDS[kind](self)
+            return self.heal()
         cluster = self.cluster
         if kind in OPT_IN:
             return OPT_IN[kind][1](self, kind)

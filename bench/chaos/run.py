@@ -24,6 +24,7 @@ from bench.chaos.checker import check
 from bench.chaos.logs import AppendLog
 from bench.chaos.nemesis import ALL_KINDS, KINDS, Nemesis
 from bench.chaos.report import markdown
+from bench.chaos.systemd_faults import SYSTEMD_KINDS
 from bench.chaos.timers import FAKETIME_LIB, RETRY_BACKOFF_S, Fleet, JobSpec, LockSettings
 from tests.harness.agents import consul_binary, wait_for
 from tests.harness.bigcluster import BigCluster, start_big_cluster
@@ -72,10 +73,16 @@ def arguments(argv: list[str] | None) -> argparse.Namespace:
                              "chained after PARENT (on: success), started by an emulated chain-watch on each node")
     parser.add_argument("--ttl", type=int, default=10, help="session TTL in seconds (minimum 10)")
     parser.add_argument("--lock-delay", type=int, default=5, help="lock-delay in seconds (minimum 5)")
-    parser.add_argument("--faults", default=",".join(KINDS),
-                        help="fault kinds the nemesis may inject, comma-separated; 'none' for a fault-free run; "
-                        f"default: {','.join(KINDS)}; also: {','.join(k for k in ALL_KINDS if k not in KINDS)}")
+    parser.add_argument("--nodes", choices=("emulated", "systemd"), default="emulated",
+                        help="client nodes: namespaces with emulated timers, or booted systemd containers running the "
+                             "units `consulrun install` wrote (bench/chaos/systemd_run.py)")
+    parser.add_argument("--faults", help="fault kinds the nemesis may inject, comma-separated; 'none' for a "
+                                         f"fault-free run; default: {','.join(KINDS)}; also: "
+                                         f"{','.join(k for k in ALL_KINDS if k not in KINDS)} (systemd nodes: "
+                                         f"{','.join(SYSTEMD_KINDS)})")
     args = parser.parse_args(argv)
+    known = SYSTEMD_KINDS if args.nodes == "systemd" else ALL_KINDS
+    default = SYSTEMD_KINDS if args.nodes == "systemd" else KINDS
     args.job = args.job or [parse_job(j) for j in DEFAULT_JOBS]
     names = {j.name for j in args.job}
     for job in args.job:
@@ -85,11 +92,11 @@ def arguments(argv: list[str] | None) -> argparse.Namespace:
         args.duration_s = parse_duration(args.duration) / 1000
     except ValueError as exc:
         parser.error(f"--duration: {exc}")
-    kinds = [] if args.faults == "none" else args.faults.split(",")
-    unknown = [k for k in kinds if k not in ALL_KINDS]
+    kinds = [] if args.faults == "none" else (args.faults or ",".join(default)).split(",")
+    unknown = [k for k in kinds if k not in known]
     if unknown:
-        parser.error(f"--faults: unknown kind(s) {', '.join(unknown)}; known: {', '.join(ALL_KINDS)}")
-    args.kinds = {k: ALL_KINDS[k] for k in kinds}
+        parser.error(f"--faults: unknown kind(s) {', '.join(unknown)}; known: {', '.join(known)}")
+    args.kinds = {k: known[k] for k in kinds}
     return args
 
 
@@ -112,6 +119,10 @@ def main(argv: list[str] | None = None) -> int:
     if os.geteuid() != 0:
         print("error: the chaos run needs root (network namespaces)", file=sys.stderr)
         return 2
+    if args.nodes == "systemd":
+        from bench.chaos.systemd_run import main_systemd
+
+        return main_systemd(args, argv)
     if not Path(FAKETIME_LIB).exists():
         print(f"error: {FAKETIME_LIB} is missing (Debian package faketime; scripts/test-deps installs it)",
               file=sys.stderr)

@@ -36,6 +36,7 @@ class Container:
     def __init__(self, name: str, workdir: Path, netns: str | None = None, binds: list[Path] | None = None) -> None:
         self.name = name
         self.binds = [p for p in (binds or []) if p.exists()]  # host paths visible at the same path inside
+        self.bind_at: dict[str, Path] = {}  # path inside -> host path (e.g. a chaos run's directory at /chaos)
         self.dir = workdir / f"ctr-{name}"
         self.netns = netns
         self.shared = self.dir / "shared"
@@ -76,6 +77,7 @@ class Container:
         cmd = ["systemd-nspawn", "--boot", "--register=no", "--keep-unit", "--quiet", "-D", str(self.merged),
                "-M", self.name, f"--bind={self.shared}:/shared", "--console=passive"]
         cmd += [f"--bind={path}:{path}" for path in self.binds]
+        cmd += [f"--bind={host}:{inside}" for inside, host in sorted(self.bind_at.items())]
         if self.netns:
             cmd.append(f"--network-namespace-path=/run/netns/{self.netns}")
         with self.console.open("wb") as log:
