@@ -66,7 +66,8 @@ def test_rolling_restart_of_the_servers_keeps_the_guarantees(consul_bin: str, tm
         assert report is not None, f"the run made no report (exit {proc.returncode}):\n{stderr[-3000:]}"
         restarts = report["consul_faults"]["restarts"]
         rounds = {r["round"]: [x for x in restarts if x["round"] == r["round"]] for r in restarts}
-        whole = [steps for steps in rounds.values() if len(steps) == 3]
+        # A round the run's end cut short (its waits stopped) has no times to judge; any other must have them all.
+        whole = [steps for steps in rounds.values() if len(steps) == 3 and not any(s["cut_short"] for s in steps)]
         assert whole, f"no whole round of restarts: {restarts}"
         for steps in whole:
             assert {s["node"] for s in steps} == {"server1", "server2", "server3"}

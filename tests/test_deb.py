@@ -230,6 +230,10 @@ def test_upgrade_under_running_timers_swaps_trees_and_the_running_job_finishes(n
     log = node.exec("journalctl", "--no-pager", "-o", "cat", "-u", "consulrun-*").stdout
     assert "ModuleNotFoundError" not in log and "203/EXEC" not in log and "Traceback" not in log, log
 
+    # tock fires every 2 s: a run of it in progress would (rightly) keep its tree; stop it for the removal to judge.
+    node.systemctl("stop", "consulrun-tock.timer")
+    wait_for(lambda: node.systemctl("show", "-P", "ActiveState", "consulrun-tock.service").stdout.strip()
+             in ("inactive", "failed"), 60, "tock's last run to end")
     removed = node.exec("dpkg", "-r", "consulrun", check=False)
     assert removed.returncode == 0, removed.stderr
     assert f"left {LIVE}/0.0.8-1: a process still runs from it" in removed.stderr, removed.stderr

@@ -179,7 +179,8 @@ def rolling_restart(nemesis: "Nemesis") -> None:
         nemesis.log.emit("heal", id=fault_id, kind="rolling-restart", healed=round(started, 4), recovered=recovered,
                          stopped=round(stopped, 4), exit_status=status, leader_at=leader_at, voter_at=voter_at,
                          caught_up_at=caught_up_at, autopilot_healthy_at=healthy_at,
-                         leader=new_leader.name if new_leader else None)
+                         leader=new_leader.name if new_leader else None,
+                         cut_short=nemesis.stop_event.is_set())  # the run's end stopped the waits: times unknown
         nemesis._sleep(nemesis.rng.uniform(1, 3))
 
 
@@ -266,7 +267,8 @@ def summary(lines: list[dict[str, Any]], history: list[dict[str, Any]], lock_del
                              "leader_after_s": after("leader_at"), "voter_after_s": after("voter_at"),
                              "caught_up_after_s": after("caught_up_at"),
                              "autopilot_healthy_after_s": after("autopilot_healthy_at"),
-                             "clients_read_after_s": after("recovered"), **hit})
+                             "clients_read_after_s": after("recovered"), "cut_short": bool(heal.get("cut_short")),
+                             **hit})
         else:
             restores.append({"id": fault_id, "server": fault["node"], "snapshot_index": fault.get("index"),
                              "snapshot_age_s": fault.get("age_s"), "holder": fault.get("holder"),
