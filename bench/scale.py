@@ -193,7 +193,8 @@ class Bench:
         busy = after["machine"][0] - before["machine"][0]
         ours = sum(cpu.values()) + timers_cpu
         figures.update(
-            clients=clients, jobs_per_minute=jobs_per_minute, tool=tool, aborted=aborted,
+            clients=clients, jobs_per_minute=jobs_per_minute, tool=tool,
+            aborted=aborted or ("" if (cluster.leader() or leader).name == leader.name else "the leader changed"),
             writes=after["applied"] - before["applied"],
             writes_per_s=(after["applied"] - before["applied"]) / args.window_s,
             writes_per_occurrence=(after["applied"] - before["applied"]) / max(1, len(occurrences)),
@@ -206,6 +207,7 @@ class Bench:
                      "timers": max(0.0, timers_cpu - figures["wrappers_cpu_s"]) * per_s,
                      "machine": busy / TICK * per_s, "not_ours": max(0.0, busy / TICK - ours) * per_s})
         figures["skip_cpu_per_node_pct"] = figures["skip_cpu_s"] * per_s / clients
+        figures["leader_cpu_ms_per_occurrence"] = 1000 * cpu[leader.name] / max(1, len(occurrences))
         (folder / "figures.json").write_text(json.dumps(figures, indent=1))
         return figures
 
@@ -217,11 +219,14 @@ class Bench:
         seen: set[tuple[str, str]] = set()
         position, aborted, stopped_at, cpu = 0, "", 0.0, 0.0
         alive = {p.pid: p for p in self.launchers}
+        tail = ""
         with runs.open() as log:
             while alive:
                 time.sleep(0.2)
                 now = time.time()
-                for line in log.readlines():
+                tail += log.read()
+                *lines, tail = tail.split("\n")  # a line still being written waits for the next look
+                for line in lines:
                     parts = line.split()
                     if len(parts) == 6:
                         seen.add((parts[2], parts[3]))

@@ -132,15 +132,16 @@ def markdown(phases: list[dict[str, Any]], meta: dict[str, Any]) -> str:
                "loser is a wrapper whose node did not run the occurrence; \"not ours\" is the machine's busy time "
                "that none of this run's processes account for:\n")
     out.append("| clients | jobs/min | tool | loser CPU per wrapper p50 / p99 (ms) | loser wall p50 / p99 (s) "
-               "| skip-path CPU per node | winner CPU p50 (ms) | leader | other servers | client agents "
-               "| wrappers (all) | node timers | machine (all cores: %) | not ours |")
-    out.append("|---" * 14 + "|")
+               "| skip-path CPU per node | winner CPU p50 (ms) | leader | leader per occurrence (ms) | other servers "
+               "| client agents | wrappers (all) | node timers | machine (all cores: %) | not ours |")
+    out.append("|---" * 15 + "|")
     for p in phases:
         cpu = p["cpu_pct"]
         out.append(f"| {p['clients']} | {p['jobs_per_minute']} | {p['tool']} | {_n(p['loser_cpu_ms']['p50'], '.0f')} / "
                    f"{_n(p['loser_cpu_ms']['p99'], '.0f')} | {_n(p['loser_wall_s']['p50'])} / "
                    f"{_n(p['loser_wall_s']['p99'])} | {p['skip_cpu_per_node_pct']:.1f} % | "
-                   f"{_n(p['winner_cpu_ms']['p50'], '.0f')} | {cpu['leader']:.0f} % | {cpu['other_servers']:.0f} % | "
+                   f"{_n(p['winner_cpu_ms']['p50'], '.0f')} | {cpu['leader']:.0f} % | "
+                   f"{p['leader_cpu_ms_per_occurrence']:.1f} | {cpu['other_servers']:.0f} % | "
                    f"{cpu['clients']:.0f} % | {cpu['wrappers']:.0f} % | {cpu['timers']:.0f} % | "
                    f"{cpu['machine']:.0f} % ({cpu['machine'] / meta['cpus']:.0f} %) | {cpu['not_ours']:.0f} % |")
     pairs = [(p, q) for p in phases for q in phases if p["tool"] == "consulrun" and q["tool"] == "consul lock"

@@ -124,7 +124,7 @@ def test_the_report_has_a_row_per_phase_and_the_ratios(tmp_path: Path) -> None:
     for tool, writes in (("consulrun", 4), ("consul lock", 16)):
         phases.append({**base, "tool": tool, "clients": 2, "jobs_per_minute": 1, "aborted": "", "writes": writes,
                        "writes_per_s": writes / 60, "writes_per_occurrence": float(writes), "load_start": 0.5,
-                       "load_end": 0.6, "skip_cpu_per_node_pct": 1.0,
+                       "load_end": 0.6, "skip_cpu_per_node_pct": 1.0, "leader_cpu_ms_per_occurrence": 2.5,
                        "cpu_pct": {"leader": 2.0, "other_servers": 1.0, "clients": 1.0, "wrappers": 3.0,
                                    "timers": 0.1, "machine": 10.0, "not_ours": 2.9}})
     text = markdown(phases, {"command": "bench/scale.py --out x", "spread_s": 0.1, "window_s": 60, "python": "3",
@@ -255,3 +255,27 @@ def test_ctrl_c_stops_the_run_and_removes_its_namespaces(consul_bin: str, tmp_pa
     assert f"-s{proc.pid % 100000}" not in links and f"crbrs{proc.pid % 100000}" not in links
     assert not _processes_mentioning(str(out))
     assert (out / "report.md").exists()
+
+
+@pytest.mark.cluster
+@pytest.mark.consul
+def test_a_phase_stopped_for_memory_says_so_and_kills_its_wrappers(consul_bin: str, tmp_path: Path) -> None:
+    """The guard that keeps an overloaded phase from taking the machine's memory: with a threshold no machine
+    meets, the phase stops at its first look, the report says why, and no wrapper or agent is left."""
+    require_tool("ip")
+    if os.geteuid() != 0:
+        pytest.fail("the scale run needs root for network namespaces", pytrace=False)
+    out = tmp_path / "scale"
+    proc = subprocess.run([sys.executable, "bench/scale.py", "--out", str(out), "--clients", "2",
+                           "--jobs-per-minute", "60,120", "--duration", "30s", "--peer", "none",
+                           "--min-memory-gib", "1000000"], cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    phases = [json.loads(line) for line in (out / "phases.jsonl").read_text().splitlines()]
+    assert [p["jobs_per_minute"] for p in phases] == [60], "a stopped phase is past the knee: no higher load runs"
+    assert phases[0]["aborted"].startswith("stopped: memory available below")
+    assert phases[0]["ran_once"] < 30
+    statuses = Counter(r["status"] for node in ("client1", "client2")
+                       for r in map(json.loads, (out / "2c-60-consulrun" / f"{node}.jsonl").read_text().splitlines()))
+    assert statuses["not fired"] > 0
+    assert "stopped: memory available below" in (out / "report.md").read_text()
+    assert not _processes_mentioning(str(out))
