@@ -167,4 +167,31 @@ def markdown(phases: list[dict[str, Any]], meta: dict[str, Any]) -> str:
                 continue
             out.append(f"- {clients} clients, {tool}: under the knee up to {below or 'none measured'} jobs/min; "
                        f"past it from {past or 'none measured'} jobs/min.")
+    projections = []
+    for clients in sorted({p["clients"] for p in phases}):
+        for tool in TOOLS:
+            below, _ = knee(phases, tool, clients)
+            at = [p for p in phases if (p["tool"], p["clients"], p["jobs_per_minute"]) == (tool, clients, below)]
+            if at and (line := projection(at[0])):
+                projections.append(line)
+    if projections:
+        out.append("\nProjected from the highest load under the knee (linear in the load; each real node pays only its "
+                   "own wrappers, where here every node's ran on one machine):\n")
+        out.extend(projections)
     return "\n".join(out) + "\n"
+
+
+def projection(phase: dict[str, Any]) -> str:
+    """From one phase: one node's wrapper CPU at 100 and 1,000 jobs a minute, and the load at which the leader's
+    CPU per occurrence would fill a core ("" without both a winner and a loser to go by)."""
+    if phase["loser_cpu_ms"]["p50"] is None or phase["winner_cpu_ms"]["p50"] is None:
+        return ""
+    n = phase["clients"]
+    per_tick_ms = (phase["winner_cpu_ms"]["p50"] + (n - 1) * phase["loser_cpu_ms"]["p50"]) / n
+    node = {load: load / 60 * per_tick_ms / 10 for load in (100, 1000)}
+    leader_ms = phase["leader_cpu_ms_per_occurrence"]
+    full = f"{60_000 / leader_ms:,.0f}" if leader_ms > 0 else "-"
+    return (f"- {n} clients, {phase['tool']} (from {phase['jobs_per_minute']} jobs/min): one node's wrappers take "
+            f"{node[100]:.0f} % of a core at 100 jobs/min and {node[1000]:.0f} % at 1,000 "
+            f"({per_tick_ms:.0f} ms per timer tick); the leader, at {leader_ms:.1f} ms per occurrence, would fill one "
+            f"core at about {full} jobs/min.")
