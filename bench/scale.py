@@ -33,6 +33,7 @@ import json
 import math
 import os
 import random
+import resource
 import shlex
 import signal
 import subprocess
@@ -78,6 +79,11 @@ def process_cpu_s(pid: int) -> float:
     except OSError:
         return 0.0
     return (int(fields[11]) + int(fields[12])) / TICK
+
+
+def self_cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
 
 
 def machine_ticks() -> tuple[int, int]:
@@ -175,11 +181,13 @@ class Bench:
             f"{time.strftime('%H:%M:%S', time.localtime(t0))}")
         time.sleep(max(0.0, t0 - 0.1 - time.time()))  # the counters start with the first occurrence
         before = {"t": time.time(), "applied": cluster.applied_index(), "machine": machine_ticks(),
-                  "cpu": {name: process_cpu_s(pid) for name, pid in agents.items()}, "load": load_start}
+                  "cpu": {name: process_cpu_s(pid) for name, pid in agents.items()}, "load": load_start,
+                  "self": self_cpu_s()}
         aborted, timers_cpu = self.watch(occurrences, runs)
         time.sleep(1.0)  # let every server apply what the leader committed
         after = {"t": time.time(), "applied": cluster.applied_index(), "machine": machine_ticks(),
-                 "cpu": {name: process_cpu_s(pid) for name, pid in agents.items()}, "load": os.getloadavg()[0]}
+                 "cpu": {name: process_cpu_s(pid) for name, pid in agents.items()}, "load": os.getloadavg()[0],
+                 "self": self_cpu_s()}
         wrappers = []
         for agent in cluster.clients:
             path = folder / f"{agent.name}.jsonl"
@@ -191,7 +199,7 @@ class Bench:
         phase_s = after["t"] - before["t"]
         per_s = 100 / phase_s
         busy = after["machine"][0] - before["machine"][0]
-        ours = sum(cpu.values()) + timers_cpu
+        ours = sum(cpu.values()) + timers_cpu + after["self"] - before["self"]  # this process watched too
         figures.update(
             clients=clients, jobs_per_minute=jobs_per_minute, tool=tool,
             aborted=aborted or ("" if (cluster.leader() or leader).name == leader.name else "the leader changed"),
