@@ -16,13 +16,16 @@ the drain), the lag from occurrence time to the job's start on the winner
 every agent's CPU (/proc/PID/stat), and the machine's (/proc/stat). Loads go
 up the --jobs-per-minute list until the lag's p99 passes 1 s (the knee; all
 of them with --all-levels). A phase is stopped early when occurrences stay
-unstarted past --abort-lag or memory runs short, and says so.
+unstarted past --abort-lag or memory runs short, and says so; a node
+starts no wrapper while --max-live-per-node of its own live (thirty nodes
+share this machine's memory), and a phase where that happened is past the
+knee.
 
 Everything it starts is stopped by PID, and the namespaces, veths and the
 bridge are removed on the way out, also on Ctrl-C, SIGTERM or SIGHUP.
 
 Usage (root): python bench/scale.py --out DIR [--clients 10,30] [--jobs-per-minute 25,50,100,250,500,1000]
-              [--duration 60s] [--peer consul-lock|none] [--spread 100ms] [--all-levels]
+              [--duration 60s] [--peer consul-lock|none] [--spread 100ms] [--all-levels] [--always 1000]
 (writes DIR/report.md, DIR/phases.jsonl and each phase's raw records; prints the report)
 """
 
@@ -164,7 +167,7 @@ class Bench:
                               self.argv(tool, job, seconds[job], occ, agent.name, runs)]
                              for (job, occ), when in occurrences.items())
             plan = {"node": agent.name, "env": env, "stderr": str(folder / f"{agent.name}.stderr"),
-                    "drain_s": args.drain_s, "firings": firings}
+                    "drain_s": args.drain_s, "max_live": args.max_live_per_node, "firings": firings}
             (folder / f"{agent.name}.plan.json").write_text(json.dumps(plan))
         leader = cluster.leader()
         if leader is None:
@@ -298,12 +301,16 @@ def arguments(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--drain", default="60s", help="how long wrappers may outlive the last firing")
     parser.add_argument("--abort-lag", default="30s", help="stop a phase whose occurrences stay unstarted this long")
     parser.add_argument("--min-memory-gib", type=float, default=3.0, help="stop a phase below this MemAvailable")
+    parser.add_argument("--max-live-per-node", type=int, default=30,
+                        help="a node starts no wrapper while this many of its own live (the machine's memory)")
     parser.add_argument("--all-levels", action="store_true", help="measure every load, past the knee too")
+    parser.add_argument("--always", default="", help="loads measured even past the knee, comma-separated")
     parser.add_argument("--seed", type=int, default=1)
     args = parser.parse_args(argv)
     try:
         args.clients_list = [int(x) for x in args.clients.split(",")]
-        args.loads = sorted(int(x) for x in args.jobs_per_minute.split(","))
+        args.always_loads = {int(x) for x in args.always.split(",") if x}
+        args.loads = sorted({int(x) for x in args.jobs_per_minute.split(",")} | args.always_loads)
     except ValueError:
         parser.error("--clients and --jobs-per-minute take comma-separated whole numbers")
     if min(args.clients_list) < 1 or min(args.loads) < 1 or max(args.loads) > 60_000:
@@ -379,16 +386,19 @@ def run_cluster(bench: Bench, clients: int, tools: list[str], meta: dict[str, An
         idle_cpu = sum(process_cpu_s(a.process.pid) - idle_before[a.name] for a in cluster.agents) / elapsed
         meta["idle"][clients] = (f"{((cluster.applied_index() or 0) - (applied or 0)) / elapsed:.1f} Raft writes/s, "
                                  f"agents {100 * idle_cpu:.0f} % of a core")
+        knee_at = None
         for step, load in enumerate(args.loads):
+            if knee_at is not None and load not in args.always_loads:
+                continue
             phases = []
             for tool in (tools if step % 2 == 0 else tools[::-1]):
                 phases.append(bench.phase(cluster, tool, load))
                 bench.phases.append(phases[-1])
                 settle(cluster)
             ours = next(p for p in phases if p["tool"] == "consulrun")
-            if past_knee(ours) and not args.all_levels:
-                say(f"{clients} clients: past the knee at {load} jobs/min; higher loads not run")
-                break
+            if past_knee(ours) and not args.all_levels and knee_at is None:
+                knee_at = load
+                say(f"{clients} clients: past the knee at {load} jobs/min; higher loads run only if --always names them")
     finally:
         bench.stop_launchers()
         if cluster:

@@ -5,7 +5,10 @@ execs it, so everything it starts is in that namespace and talks to the
 node's own agent on 127.0.0.1), as the node's systemd would: it starts each
 wrapper at its planned time with posix_spawn, and, as systemd does for a
 oneshot service whose previous run still lives, starts nothing for a job
-whose previous wrapper on this node is still running ("busy"). Each wrapper
+whose previous wrapper on this node is still running ("busy"). Unlike
+systemd, it also starts nothing while `max_live` wrappers live on the node
+("shed"): thirty emulated nodes share one machine's memory, and an overload
+must not take it. Each wrapper
 is reaped with wait4(2), which gives its CPU (user + system, the job's
 included: the job is the wrapper's child). Not its peak RSS: a child that
 posix_spawn made with vfork reports the parent's (bench/hot_path.py has
@@ -19,10 +22,11 @@ exits. Standard library only, no imports from the repo: it starts once per
 node and phase, and what it costs is not what is measured.
 
 Usage: python scale_node.py PLAN.json OUT.jsonl
-PLAN: {"node": str, "env": {...}, "stderr": path, "drain_s": float,
+PLAN: {"node": str, "env": {...}, "stderr": path, "drain_s": float, "max_live": int,
        "firings": [[planned_epoch_s, job, occurrence, [argv...]], ...]}   (sorted by time)
 OUT: one JSON line per firing: node, job, occ, planned, spawned, ended, cpu, status
-     (status: exit status, 128+N for signal N, "busy" when not started, "killed" when stopped by us).
+     (status: exit status, 128+N for signal N, "busy" or "shed" when not started, "killed" when stopped by us,
+     "not fired" when the run was stopped before its time).
 """
 
 from __future__ import annotations
@@ -67,6 +71,7 @@ def main(plan_path: str, out_path: str) -> int:
     plan = json.loads(open(plan_path, encoding="utf-8").read())
     node, env, firings = plan["node"], plan["env"], plan["firings"]
     drain_s = float(plan.get("drain_s", 120))
+    max_live = int(plan.get("max_live", 1_000_000))
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_r, False)
     os.set_blocking(wake_w, False)
@@ -106,8 +111,9 @@ def main(plan_path: str, out_path: str) -> int:
             planned, job, occ, argv = firings[nxt]
             nxt += 1
             record = {"node": node, "job": job, "occ": occ, "planned": planned}
-            if job in live_jobs:
-                done.append({**record, "spawned": None, "ended": None, "cpu": 0.0, "status": "busy"})
+            if job in live_jobs or len(live) >= max_live:
+                status = "busy" if job in live_jobs else "shed"
+                done.append({**record, "spawned": None, "ended": None, "cpu": 0.0, "status": status})
                 continue
             record["spawned"] = time.time()
             pid = os.posix_spawn(argv[0], argv, env, file_actions=actions)

@@ -75,12 +75,20 @@ def phase_figures(occurrences: dict[tuple[str, str], float], wrappers: list[dict
         "winner_cpu_ms": summary([w["cpu"] * 1000 for w in winners]),
         "skip_cpu_s": sum(loser_cpu),
         "wrappers_cpu_s": sum(w["cpu"] for w in fired), "wrappers": len(fired), "statuses": dict(statuses),
+        "shed": sum(1 for w in wrappers if w["status"] == "shed"),
     }
 
 
 def summary(values: list[float]) -> dict[str, float | int | None]:
     return {"n": len(values), "p50": percentile(values, 50), "p99": percentile(values, 99),
             "max": max(values) if values else None, "mean": statistics.fmean(values) if values else None}
+
+
+def note(phase: dict[str, Any]) -> str:
+    parts = [phase.get("aborted") or ""]
+    if phase.get("shed"):
+        parts.append(f"{phase['shed']} firings shed (a node had its most wrappers alive)")
+    return "; ".join(p for p in parts if p)
 
 
 def _n(value: float | None, fmt: str = ".2f") -> str:
@@ -106,7 +114,7 @@ def knee(phases: list[dict[str, Any]], tool: str, clients: int) -> tuple[int | N
 def past_knee(phase: dict[str, Any]) -> bool:
     p99 = phase["lag_s"]["p99"]
     return bool(phase.get("aborted")) or phase["ran_none"] > 0.01 * phase["occurrences"] or p99 is None \
-        or p99 > KNEE_LAG_S
+        or p99 > KNEE_LAG_S or bool(phase.get("shed"))
 
 
 def markdown(phases: list[dict[str, Any]], meta: dict[str, Any]) -> str:
@@ -127,7 +135,7 @@ def markdown(phases: list[dict[str, Any]], meta: dict[str, Any]) -> str:
                    f"{p['ran_more']} / {p['ran_none']} | {p['runs']} | {p['writes_per_s']:.1f} | "
                    f"{p['writes_per_occurrence']:.2f} | {_n(lag['p50'])} / {_n(lag['p99'])} / {_n(lag['max'])} | "
                    f"{_n(fire['p50'])} / {_n(fire['p99'])} | {_n(p['timer_late_s']['p99'])} | "
-                   f"{p['load_start']:.1f} / {p['load_end']:.1f} | {p.get('aborted') or ''} |")
+                   f"{p['load_start']:.1f} / {p['load_end']:.1f} | {note(p)} |")
     out.append("\nCPU in % of one core, over the phase (from its first occurrence until its last wrapper ended); a "
                "loser is a wrapper whose node did not run the occurrence; \"not ours\" is the machine's busy time "
                "that none of this run's processes account for:\n")
@@ -159,7 +167,8 @@ def markdown(phases: list[dict[str, Any]], meta: dict[str, Any]) -> str:
                        f"{_ratio(p['skip_cpu_per_node_pct'], q['skip_cpu_per_node_pct'])} | "
                        f"{_ratio(p['cpu_pct']['leader'], q['cpu_pct']['leader'])} | "
                        f"{_ratio(p['lag_s']['p50'], q['lag_s']['p50'])} | {_ratio(p['lag_s']['p99'], q['lag_s']['p99'])} |")
-    out.append(f"\nThe knee (lag p99 past {KNEE_LAG_S:g} s, an aborted phase, or more than 1 % of occurrences not run):\n")
+    out.append(f"\nThe knee (lag p99 past {KNEE_LAG_S:g} s, a phase stopped or shedding, or more than 1 % of occurrences "
+               "not run):\n")
     for clients in sorted({p["clients"] for p in phases}):
         for tool in TOOLS:
             below, past = knee(phases, tool, clients)

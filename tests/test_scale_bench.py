@@ -114,6 +114,8 @@ def test_the_knee_is_the_first_load_whose_lag_p99_passes_a_second() -> None:
     assert knee(phases, "consul lock", 10) == (50, 100)
     assert knee(phases, "consulrun", 30) == (25, 50)  # 2 % of the occurrences never ran
     assert knee(phases, "consul lock", 30) == (None, None)
+    assert knee([_phase("consulrun", 3, 10, 0.2), {**_phase("consulrun", 3, 20, 0.2), "shed": 1}],
+                "consulrun", 3) == (10, 20)  # a node could not start every wrapper: the emulation ran out
 
 
 def test_the_report_has_a_row_per_phase_and_the_ratios(tmp_path: Path) -> None:
@@ -134,9 +136,10 @@ def test_the_report_has_a_row_per_phase_and_the_ratios(tmp_path: Path) -> None:
     assert "2 clients, consulrun: under the knee up to 1 jobs/min" in text
 
 
-def _node_timers(tmp_path: Path, firings: list[list], drain_s: float = 30) -> subprocess.Popen[bytes]:
+def _node_timers(tmp_path: Path, firings: list[list], drain_s: float = 30,
+                 max_live: int = 100) -> subprocess.Popen[bytes]:
     plan = {"node": "n1", "env": {"PATH": "/usr/bin:/bin"}, "stderr": str(tmp_path / "stderr"), "drain_s": drain_s,
-            "firings": firings}
+            "max_live": max_live, "firings": firings}
     (tmp_path / "plan.json").write_text(json.dumps(plan))
     return subprocess.Popen([sys.executable, str(NODE_SCRIPT), str(tmp_path / "plan.json"), str(tmp_path / "out")])
 
@@ -160,6 +163,16 @@ def test_node_timers_fire_no_earlier_than_planned_and_count_the_job_in_the_cpu(t
     assert got[("c", "o1")]["status"] == 3
     for key in (("a", "o1"), ("b", "o1"), ("c", "o1")):
         assert got[key]["spawned"] >= got[key]["planned"] and got[key]["ended"] >= got[key]["spawned"]
+
+
+def test_node_timers_shed_firings_while_the_node_has_its_most_wrappers_alive(tmp_path: Path) -> None:
+    t = time.time() + 0.3
+    firings = [[t, "a", "o1", ["/bin/sh", "-c", "sleep 3"]], [t + 0.01, "b", "o1", ["/bin/sh", "-c", "sleep 3"]],
+               [t + 0.02, "c", "o1", ["/bin/true"]]]
+    timers = _node_timers(tmp_path, firings, max_live=2)
+    assert timers.wait(timeout=60) == 0
+    got = _records(tmp_path)
+    assert [got[(job, "o1")]["status"] for job in "abc"] == [0, 0, "shed"]
 
 
 def test_stopped_node_timers_kill_every_wrapper_and_its_descendants(tmp_path: Path) -> None:
