@@ -146,6 +146,7 @@ class Bench:
         self.rng = random.Random(args.seed)
         self.launchers: list[subprocess.Popen[bytes]] = []
         self.phases: list[dict[str, Any]] = []
+        self.idle_rate: dict[str, float] = {}  # each agent's CPU-s per s on the idle cluster
 
     def argv(self, tool: str, job: str, second: int, occ: str, node: str, runs: Path) -> list[str]:
         tail = ["/bin/bash", "-c", JOB_SCRIPT, "job", str(runs), tool.replace(" ", "-"), job, occ, node]
@@ -222,7 +223,10 @@ class Bench:
                      "timers": max(0.0, timers_cpu - figures["wrappers_cpu_s"]) * per_s,
                      "machine": busy / TICK * per_s, "not_ours": max(0.0, busy / TICK - ours) * per_s})
         figures["skip_cpu_per_node_pct"] = figures["skip_cpu_s"] * per_s / clients
-        figures["leader_cpu_ms_per_occurrence"] = 1000 * cpu[leader.name] / max(1, len(occurrences))
+        # What the occurrences cost the leader: its CPU over the phase less what it spends idle (heartbeats, gossip).
+        busy_leader = cpu[leader.name] - self.idle_rate.get(leader.name, 0.0) * phase_s
+        figures["leader_cpu_ms_per_occurrence"] = 1000 * max(0.0, busy_leader) / max(1, len(occurrences))
+        figures["wrappers_cpu_per_node_pct"] = figures["wrappers_cpu_s"] * per_s / clients
         (folder / "figures.json").write_text(json.dumps(figures, indent=1))
         return figures
 
@@ -309,6 +313,7 @@ def arguments(argv: list[str] | None) -> argparse.Namespace:
                         help="a node starts no wrapper while this many of its own live (the machine's memory)")
     parser.add_argument("--all-levels", action="store_true", help="measure every load, past the knee too")
     parser.add_argument("--always", default="", help="loads measured even past the knee, comma-separated")
+    parser.add_argument("--idle", default="15s", help="how long the idle cluster is measured first")
     parser.add_argument("--seed", type=int, default=1)
     args = parser.parse_args(argv)
     try:
@@ -319,7 +324,7 @@ def arguments(argv: list[str] | None) -> argparse.Namespace:
         parser.error("--clients and --jobs-per-minute take comma-separated whole numbers")
     if min(args.clients_list) < 1 or min(args.loads) < 1 or max(args.loads) > 60_000:
         parser.error("--clients at least 1; --jobs-per-minute from 1 to 60000")
-    for name in ("duration", "spread", "drain", "abort_lag"):
+    for name in ("duration", "spread", "drain", "abort_lag", "idle"):
         try:
             setattr(args, f"{name}_s", parse_duration(getattr(args, name)) / 1000)
         except DurationError as exc:
@@ -385,11 +390,13 @@ def run_cluster(bench: Bench, clients: int, tools: list[str], meta: dict[str, An
         settle(cluster)
         idle_before = {a.name: process_cpu_s(a.process.pid) for a in cluster.agents}
         applied, started = cluster.applied_index(), time.time()
-        time.sleep(10)
+        time.sleep(args.idle_s)
         elapsed = time.time() - started
-        idle_cpu = sum(process_cpu_s(a.process.pid) - idle_before[a.name] for a in cluster.agents) / elapsed
+        bench.idle_rate = {a.name: (process_cpu_s(a.process.pid) - idle_before[a.name]) / elapsed for a in cluster.agents}
         meta["idle"][clients] = (f"{((cluster.applied_index() or 0) - (applied or 0)) / elapsed:.1f} Raft writes/s, "
-                                 f"agents {100 * idle_cpu:.0f} % of a core")
+                                 f"agents {100 * sum(bench.idle_rate.values()):.0f} % of a core (servers "
+                                 f"{100 * sum(bench.idle_rate[a.name] for a in cluster.servers):.1f} %), over "
+                                 f"{elapsed:.0f} s")
         knee_at = None
         for step, load in enumerate(args.loads):
             if knee_at is not None and load not in args.always_loads:

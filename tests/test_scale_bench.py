@@ -127,12 +127,13 @@ def test_the_report_has_a_row_per_phase_and_the_ratios(tmp_path: Path) -> None:
         phases.append({**base, "tool": tool, "clients": 2, "jobs_per_minute": 1, "aborted": "", "writes": writes,
                        "writes_per_s": writes / 60, "writes_per_occurrence": float(writes), "load_start": 0.5,
                        "load_end": 0.6, "skip_cpu_per_node_pct": 1.0, "leader_cpu_ms_per_occurrence": 2.5,
+                       "wrappers_cpu_per_node_pct": 2.0,
                        "cpu_pct": {"leader": 2.0, "other_servers": 1.0, "clients": 1.0, "wrappers": 3.0,
                                    "timers": 0.1, "machine": 10.0, "not_ours": 2.9}})
     text = markdown(phases, {"command": "bench/scale.py --out x", "spread_s": 0.1, "window_s": 60, "python": "3",
                              "cpus": 2})
     assert "| 2 | 1 | consulrun | 1 | 1 / 0 / 0 | 1 | 0.1 | 4.00 |" in text
-    assert "| 2 | 1 | 0.25 | 0.25 | 1.00 |" in text  # writes per occurrence 4 against 16
+    assert "| 2 | 1 | 1.00 | 0.25 | 0.25 | 1.00 |" in text  # one run each; writes per occurrence 4 against 16
     assert "2 clients, consulrun: under the knee up to 1 jobs/min" in text
 
 
