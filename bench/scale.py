@@ -212,7 +212,7 @@ class Bench:
             clients=clients, jobs_per_minute=jobs_per_minute, tool=tool,
             aborted=aborted or ("" if (cluster.leader() or leader).name == leader.name else "the leader changed"),
             writes=after["applied"] - before["applied"],
-            writes_per_s=(after["applied"] - before["applied"]) / args.window_s,
+            writes_per_s=(after["applied"] - before["applied"]) / min(args.window_s, phase_s),  # a stopped one: less
             writes_per_occurrence=(after["applied"] - before["applied"]) / max(1, len(occurrences)),
             leader=leader.name, leader_after=(cluster.leader() or leader).name,
             load_start=before["load"], load_end=after["load"], phase_s=phase_s,
