@@ -16,6 +16,7 @@ from typing import Any
 
 KNEE_LAG_S = 1.0  # the knee: the load at which the lag's p99 passes 1 s
 TOOLS = ("consulrun", "consul lock")
+LEADER_PROJECTION_AT_LEAST = 30  # occurrences: fewer, and the leader's idle CPU (heartbeats, gossip) drowns theirs
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -202,8 +203,12 @@ def projection(phase: dict[str, Any]) -> str:
     per_tick_ms = (phase["winner_cpu_ms"]["p50"] + (n - 1) * phase["loser_cpu_ms"]["p50"]) / n
     node = {load: load / 60 * per_tick_ms / 10 for load in (100, 1000)}
     leader_ms = phase["leader_cpu_ms_per_occurrence"]
-    full = f"{60_000 / leader_ms:,.0f}" if leader_ms > 0 else "-"
+    if phase.get("occurrences", 0) < LEADER_PROJECTION_AT_LEAST or leader_ms <= 0:
+        leader = ("; too few occurrences to tell the leader's share from its idle CPU"
+                  f" ({phase.get('occurrences', 0)}, at least {LEADER_PROJECTION_AT_LEAST})")
+    else:
+        leader = (f"; the leader, at {leader_ms:.1f} ms per occurrence, would fill one core at about "
+                  f"{60_000 / leader_ms:,.0f} jobs/min")
     return (f"- {n} clients, {phase['tool']} (from {phase['jobs_per_minute']} jobs/min): one node's wrappers take "
             f"{node[100]:.0f} % of a core at 100 jobs/min and {node[1000]:.0f} % at 1,000 "
-            f"({per_tick_ms:.0f} ms per timer tick); the leader, at {leader_ms:.1f} ms per occurrence, would fill one "
-            f"core at about {full} jobs/min.")
+            f"({per_tick_ms:.0f} ms per timer tick){leader}.")

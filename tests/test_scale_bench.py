@@ -299,9 +299,11 @@ def test_the_projection_takes_one_nodes_share_of_every_tick() -> None:
     from bench.scale_report import projection
 
     phase = {"tool": "consulrun", "clients": 10, "jobs_per_minute": 100, "loser_cpu_ms": {"p50": 40.0},
-             "winner_cpu_ms": {"p50": 130.0}, "leader_cpu_ms_per_occurrence": 6.0}
+             "winner_cpu_ms": {"p50": 130.0}, "leader_cpu_ms_per_occurrence": 6.0, "occurrences": 100}
     # a tick costs a node (130 + 9 x 40) / 10 = 49 ms; 1,000 ticks a minute 816.7 ms a second; 60,000 / 6 = 10,000
     assert projection(phase) == ("- 10 clients, consulrun (from 100 jobs/min): one node's wrappers take 8 % of a core "
                                  "at 100 jobs/min and 82 % at 1,000 (49 ms per timer tick); the leader, at 6.0 ms per "
                                  "occurrence, would fill one core at about 10,000 jobs/min.")
     assert projection({**phase, "loser_cpu_ms": {"p50": None}}) == ""
+    assert projection({**phase, "occurrences": 7}).endswith("too few occurrences to tell the leader's share from "
+                                                            "its idle CPU (7, at least 30).")
