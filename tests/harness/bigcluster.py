@@ -114,11 +114,15 @@ class BigCluster:
 
 
 def start_big_cluster(binary: str, workdir: Path, network: Network, servers: int = 3,
-                      clients: int = 3) -> BigCluster:
+                      clients: int = 3, fast_gossip: bool = True) -> BigCluster:
     """Start `servers` servers (bootstrap_expect = servers) and `clients` clients on `network`.
 
     `network` needs servers + clients namespaces. Coordinates are off so the
     servers' Raft log counts what the cluster's users and faults write.
+    Gossip is fast (failures noticed in about a second) unless `fast_gossip`
+    is False: then Consul's own LAN defaults, which a scale run wants, since
+    a CPU-starved agent that misses 100 ms probes would be marked failed and
+    its sessions invalidated, and the run would measure the harness.
     """
     server_ips = [network.address(i) for i in range(servers)]
     agents: list[Agent] = []
@@ -135,7 +139,7 @@ def start_big_cluster(binary: str, workdir: Path, network: Network, servers: int
                 "client_addr": f"{ip} 127.0.0.1", "ports": {"dns": -1, "grpc": -1, "grpc_tls": -1},
                 "log_level": "info", "disable_update_check": True, "disable_coordinates": True,
                 "performance": {"raft_multiplier": 1}, "retry_join": [s for s in server_ips if s != ip],
-                "retry_interval": "1s", "leave_on_terminate": False, **_FAST_GOSSIP,
+                "retry_interval": "1s", "leave_on_terminate": False, **(_FAST_GOSSIP if fast_gossip else {}),
             }
             if is_server:
                 config.update({"server": True, "bootstrap_expect": servers})
