@@ -38,33 +38,14 @@ import signal
 import sys
 import time
 
+from procs import descendants  # bench/procs.py, beside this script (it runs as a script, not from the repo)
+
 _stopping = False
 
 
 def _on_term(_signum: int, _frame: object) -> None:
     global _stopping
     _stopping = True
-
-
-def descendants(pid: int) -> list[int]:
-    """Every live descendant of `pid` (children of all its threads, recursively)."""
-    found: list[int] = []
-    todo = [pid]
-    while todo:
-        current = todo.pop()
-        try:
-            tids = os.listdir(f"/proc/{current}/task")
-        except OSError:
-            continue
-        for tid in tids:
-            try:
-                with open(f"/proc/{current}/task/{tid}/children", encoding="ascii") as handle:
-                    children = [int(c) for c in handle.read().split()]
-            except OSError:
-                continue
-            found += children
-            todo += children
-    return found
 
 
 def main(plan_path: str, out_path: str) -> int:

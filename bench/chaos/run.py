@@ -17,6 +17,7 @@ import sys
 import time
 from pathlib import Path
 from types import FrameType
+from typing import Callable
 
 from consulrun.manifest.durations import parse_duration
 
@@ -110,6 +111,21 @@ def _on_signal(signum: int, _frame: FrameType | None) -> None:
     raise _Stop(signum)
 
 
+def watch_nemesis(nemesis: Nemesis, fire_until: float, join_s: float, note: Callable[[], str] = lambda: "") -> None:
+    """While the timers fire: a line every 30 s, and the nemesis's failure raised at once; then stop it."""
+    last_note = time.time()
+    while time.time() < fire_until:
+        time.sleep(0.5)
+        if nemesis.error:
+            raise RuntimeError(f"the nemesis failed: {nemesis.error!r}") from nemesis.error
+        if time.time() - last_note >= 30:
+            last_note = time.time()
+            _say(f"{fire_until - last_note:.0f}s to go; {nemesis.counter} faults so far{note()}")
+    nemesis.stop()
+    if nemesis.is_alive():
+        nemesis.join(timeout=join_s)
+
+
 def _say(text: str) -> None:
     print(f"chaos {time.strftime('%H:%M:%S')}: {text}", file=sys.stderr, flush=True)
 
@@ -167,17 +183,7 @@ def main(argv: list[str] | None = None) -> int:
         _say(f"timers fire for {args.duration_s:.0f}s; jobs: " + ", ".join(f"{j.name} ({j.policy}, "
                                                                           f"{j.schedule or 'after ' + j.after})"
                                                                           for j in args.job))
-        last_note = time.time()
-        while time.time() < fire_until:
-            time.sleep(0.5)
-            if nemesis.error:
-                raise RuntimeError(f"the nemesis failed: {nemesis.error!r}") from nemesis.error
-            if time.time() - last_note >= 30:
-                last_note = time.time()
-                _say(f"{fire_until - last_note:.0f}s to go; {nemesis.counter} faults so far")
-        nemesis.stop()
-        if nemesis.is_alive():
-            nemesis.join(timeout=60)
+        watch_nemesis(nemesis, fire_until, join_s=60)
         wait_s = max(j.interval_s() for j in args.job) + 2 * lock.ttl_s + lock.lock_delay_s + 30
         _say(f"timers stopped; waiting up to {wait_s:.0f}s for the last wrappers")
         meta["drained"] = fleet.drain(wait_s)

@@ -25,7 +25,7 @@ from bench.chaos.logs import AppendLog
 from bench.chaos.nemesis import Nemesis
 from bench.chaos.nodes import NodeFleet, SystemdCluster, boot, boot_nodes
 from bench.chaos.report import markdown
-from bench.chaos.run import SUBNET, _on_signal, _say, _Stop, condition_holds
+from bench.chaos.run import SUBNET, _on_signal, _say, _Stop, condition_holds, watch_nemesis
 from bench.chaos.timers import LockSettings
 from tests.harness.agents import consul_binary, wait_for
 from tests.harness.bigcluster import start_big_cluster
@@ -86,17 +86,7 @@ def main_systemd(args: argparse.Namespace, argv: list[str] | None) -> int:
                           kinds=args.kinds)
         if args.kinds:
             nemesis.start()
-        last_note = time.time()
-        while time.time() < fire_until:
-            time.sleep(0.5)
-            if nemesis.error:
-                raise RuntimeError(f"the nemesis failed: {nemesis.error!r}") from nemesis.error
-            if time.time() - last_note >= 30:
-                last_note = time.time()
-                _say(f"{fire_until - last_note:.0f}s to go; {nemesis.counter} faults so far; load {_load_average()}")
-        nemesis.stop()
-        if nemesis.is_alive():
-            nemesis.join(timeout=300)
+        watch_nemesis(nemesis, fire_until, join_s=300, note=lambda: f"; load {_load_average()}")  # type: ignore[arg-type]
         if nemesis.error:
             raise RuntimeError(f"the nemesis failed: {nemesis.error!r}") from nemesis.error
         _heal_everything(cluster)

@@ -24,6 +24,7 @@ from consulrun.manifest import calendar
 from consulrun.protocol.child import live_processes
 
 from bench.chaos.logs import AppendLog
+from bench.procs import descendants
 from tests.harness.agents import Agent
 
 JOB_SCRIPT = Path(__file__).resolve().with_name("job.py")
@@ -72,27 +73,6 @@ class Wrapper:
     process: subprocess.Popen[bytes]
     started: float
     stderr: Path
-
-
-def descendants(pid: int) -> list[int]:
-    """Every live descendant of `pid` (children of all its threads, recursively)."""
-    found: list[int] = []
-    todo = [pid]
-    while todo:
-        current = todo.pop()
-        try:
-            tids = os.listdir(f"/proc/{current}/task")
-        except OSError:
-            continue
-        for tid in tids:
-            try:
-                with open(f"/proc/{current}/task/{tid}/children", encoding="ascii") as handle:
-                    children = [int(c) for c in handle.read().split()]
-            except OSError:
-                continue
-            found += children
-            todo += children
-    return found
 
 
 def _in_session(sid: int) -> list[int]:
