@@ -120,13 +120,14 @@ class _Signals:
         if self.job is None:
             return
         while self._forwarded < len(self.received):
-            signum = self.received[self._forwarded]
+            index = self._forwarded  # this signal's own: a signal landing in the lines below forwards the next one
+            signum = self.received[index]
             self._forwarded += 1
             if self.job.status is None:
                 log.info("%s: %s received; forwarding it to the job's processes", self.name,
                          signal.Signals(signum).name)
                 self.job.signal(signum)
-                self._job_got.add(self._forwarded - 1)
+                self._job_got.add(index)
 
     def settle(self) -> None:
         """The signals received so far have had their effect (they ended the retries): none is unforwarded."""
