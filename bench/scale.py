@@ -43,12 +43,12 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from types import FrameType
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from bench.procs import Stopped as _Stop, stop_on_signal as _on_signal  # noqa: E402
 from bench.scale_report import markdown, parse_runs, past_knee, phase_figures  # noqa: E402
 from consulrun.manifest.durations import DurationError, parse_duration  # noqa: E402
 from tests.harness.agents import consul_binary  # noqa: E402
@@ -59,16 +59,6 @@ NODE_SCRIPT = REPO / "bench" / "scale_node.py"
 SUBNET = "10.213.92.0/24"  # moved by CONSULRUN_TEST_NET_PREFIX like the test harness's subnets
 JOB_SCRIPT = 'printf "%s %s %s %s %s %s\\n" "$EPOCHREALTIME" "$2" "$3" "$4" "$5" "${CONSULRUN_OCCURRENCE:--}" >> "$1"'
 TICK = os.sysconf("SC_CLK_TCK")
-
-
-class _Stop(BaseException):
-    pass
-
-
-def _on_signal(signum: int, _frame: FrameType | None) -> None:
-    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-        signal.signal(sig, signal.SIG_IGN)  # a second Ctrl-C must not cut the cleanup short
-    raise _Stop(signum)
 
 
 def say(text: str) -> None:

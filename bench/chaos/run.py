@@ -16,13 +16,13 @@ import signal
 import sys
 import time
 from pathlib import Path
-from types import FrameType
 from typing import Callable
 
 from consulrun.manifest.durations import parse_duration
 
 from bench.chaos.checker import check
 from bench.chaos.logs import AppendLog
+from bench.procs import Stopped as _Stop, stop_on_signal as _on_signal
 from bench.chaos.nemesis import ALL_KINDS, KINDS, Nemesis
 from bench.chaos.report import markdown
 from bench.chaos.systemd_faults import SYSTEMD_KINDS
@@ -99,16 +99,6 @@ def arguments(argv: list[str] | None) -> argparse.Namespace:
         parser.error(f"--faults: unknown kind(s) {', '.join(unknown)}; known: {', '.join(known)}")
     args.kinds = {k: known[k] for k in kinds}
     return args
-
-
-class _Stop(BaseException):
-    pass
-
-
-def _on_signal(signum: int, _frame: FrameType | None) -> None:
-    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-        signal.signal(sig, signal.SIG_IGN)  # a second Ctrl-C must not cut the cleanup short
-    raise _Stop(signum)
 
 
 def watch_nemesis(nemesis: Nemesis, fire_until: float, join_s: float, note: Callable[[], str] = lambda: "") -> None:
@@ -212,11 +202,16 @@ def main(argv: list[str] | None = None) -> int:
             signal.signal(sig, signal.SIG_DFL)
     if interrupted:
         return 130
+    return judge(out)
+
+
+def judge(out: Path, note: str = "") -> int:
+    """Check the run's history, write report.json and report.md, print it; 1 if a guarantee was broken."""
     report = check(out)
     (out / "report.json").write_text(json.dumps(report, indent=1))
     (out / "report.md").write_text(markdown(report))
     print(markdown(report))
-    _say(f"report: {out / 'report.md'}; {len(report['violations'])} violation(s)")
+    _say(f"report: {out / 'report.md'}; {len(report['violations'])} violation(s){note}")
     return 1 if report["violations"] else 0
 
 

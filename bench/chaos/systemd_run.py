@@ -20,12 +20,10 @@ import time
 from pathlib import Path
 
 from bench.chaos import systemd_faults
-from bench.chaos.checker import check
 from bench.chaos.logs import AppendLog
 from bench.chaos.nemesis import Nemesis
 from bench.chaos.nodes import NodeFleet, SystemdCluster, boot, boot_nodes
-from bench.chaos.report import markdown
-from bench.chaos.run import SUBNET, _on_signal, _say, _Stop, condition_holds, watch_nemesis
+from bench.chaos.run import SUBNET, _on_signal, _say, _Stop, condition_holds, judge, watch_nemesis
 from bench.chaos.timers import LockSettings
 from tests.harness.agents import consul_binary, wait_for
 from tests.harness.bigcluster import start_big_cluster
@@ -112,12 +110,7 @@ def main_systemd(args: argparse.Namespace, argv: list[str] | None) -> int:
             signal.signal(sig, signal.SIG_DFL)
     if interrupted:
         return 130
-    report = check(out)
-    (out / "report.json").write_text(json.dumps(report, indent=1))
-    (out / "report.md").write_text(markdown(report))
-    print(markdown(report))
-    _say(f"report: {out / 'report.md'}; {len(report['violations'])} violation(s); load {_load_average()}")
-    return 1 if report["violations"] else 0
+    return judge(out, f"; load {_load_average()}")
 
 
 def _clean_up(nemesis: Nemesis | None, fleet: NodeFleet | None, cluster: SystemdCluster | None, servers: object,
