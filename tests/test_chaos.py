@@ -9,6 +9,7 @@ and report are kept in test-artifacts/.
 from __future__ import annotations
 
 import argparse
+import contextlib
 
 import json
 import os
@@ -16,7 +17,9 @@ import shutil
 import signal
 import subprocess
 import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -253,14 +256,8 @@ def test_short_chaos_run_keeps_the_guarantees(consul_bin: str, tmp_path: Path, r
     cmd = [sys.executable, "-m", "bench.chaos", "--duration", "120s", "--out", str(out), "--seed",
            os.environ.get("CONSULRUN_CHAOS_SEED", "11"),
            "--job", "skip10:skip:4:*:*:0/10", "--job", "retry30:retry:1:*:*:0/30"]
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        _, stderr = proc.communicate(timeout=600)  # the run stops by itself: ~2 min of timers, then a drain
-    except subprocess.TimeoutExpired:
-        proc.send_signal(signal.SIGINT)  # it cleans up on Ctrl-C
-        _, stderr = proc.communicate(timeout=120)
-        pytest.fail(f"the chaos run did not stop by itself:\n{stderr[-3000:]}")
-    try:
+    proc, stderr = run_chaos(cmd, 600, 120)
+    with kept_on_failure(request, out, stderr):
         report = json.loads((out / "report.json").read_text()) if (out / "report.json").exists() else None
         assert report is not None, f"the run made no report (exit {proc.returncode}):\n{stderr[-3000:]}"
         assert not _our_namespaces(f"x{proc.pid % 100000}"), "the run left network namespaces behind"
@@ -270,10 +267,30 @@ def test_short_chaos_run_keeps_the_guarantees(consul_bin: str, tmp_path: Path, r
         assert report["jobs"]["retry30"]["retry_condition_holds"] is True
         assert proc.returncode == 0 and not report["violations"], \
             f"violations (history in {artifact_dir(request.node)}):\n{(out / 'report.md').read_text()[-6000:]}"
+
+
+def run_chaos(cmd: list[str], timeout_s: float, cleanup_s: float) -> tuple[subprocess.Popen[str], str]:
+    """Run a chaos command to its end (it stops by itself); past `timeout_s`, Ctrl-C it (it cleans up) and fail."""
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        _, stderr = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGINT)
+        _, stderr = proc.communicate(timeout=cleanup_s)
+        pytest.fail(f"the chaos run did not stop by itself:\n{stderr[-3000:]}")
+    return proc, stderr
+
+
+@contextlib.contextmanager
+def kept_on_failure(request: pytest.FixtureRequest, out: Path, stderr: str,
+                    ignore: Callable[..., Any] | None = None) -> Iterator[None]:
+    """On a failure inside: the run's directory and its stderr into the test's artifacts, for the history."""
+    try:
+        yield
     except BaseException:
         dest = artifact_dir(request.node)
         shutil.rmtree(dest, ignore_errors=True)
-        shutil.copytree(out, dest / "chaos", dirs_exist_ok=True)
+        shutil.copytree(out, dest / "chaos", dirs_exist_ok=True, ignore=ignore)
         (dest / "runner.stderr").write_text(stderr)
         raise
 

@@ -5,16 +5,13 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import signal
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
 from tests.conftest import artifact_dir, require_tool
-from tests.test_chaos import OCC, T0, _fires, _run, _write
+from tests.test_chaos import kept_on_failure, run_chaos, OCC, T0, _fires, _run, _write
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -54,14 +51,8 @@ def test_rolling_restart_of_the_servers_keeps_the_guarantees(consul_bin: str, tm
     cmd = [sys.executable, "-m", "bench.chaos", "--duration", "75s", "--out", str(out), "--seed",
            os.environ.get("CONSULRUN_CHAOS_SEED", "11"), "--faults", "rolling-restart",
            "--job", "skip10:skip:4:*:*:0/10", "--job", "retry30:retry:1:*:*:0/30"]
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        _, stderr = proc.communicate(timeout=400)
-    except subprocess.TimeoutExpired:
-        proc.send_signal(signal.SIGINT)
-        _, stderr = proc.communicate(timeout=120)
-        pytest.fail(f"the chaos run did not stop by itself:\n{stderr[-3000:]}")
-    try:
+    proc, stderr = run_chaos(cmd, 400, 120)
+    with kept_on_failure(request, out, stderr):
         report = json.loads((out / "report.json").read_text()) if (out / "report.json").exists() else None
         assert report is not None, f"the run made no report (exit {proc.returncode}):\n{stderr[-3000:]}"
         restarts = report["consul_faults"]["restarts"]
@@ -77,9 +68,3 @@ def test_rolling_restart_of_the_servers_keeps_the_guarantees(consul_bin: str, tm
         assert report["jobs"]["skip10"]["completed"] > 0 and report["jobs"]["retry30"]["completed"] > 0
         assert proc.returncode == 0 and not report["violations"], \
             f"violations (history in {artifact_dir(request.node)}):\n{(out / 'report.md').read_text()[-6000:]}"
-    except BaseException:
-        dest = artifact_dir(request.node)
-        shutil.rmtree(dest, ignore_errors=True)
-        shutil.copytree(out, dest / "chaos", dirs_exist_ok=True)
-        (dest / "runner.stderr").write_text(stderr)
-        raise

@@ -23,7 +23,7 @@ import pytest
 from tests.conftest import artifact_dir, require_tool
 from tests.harness.agents import wait_for
 from tests.harness.nspawn import _cgroup_dirs
-from tests.test_chaos import _our_namespaces, _processes_mentioning
+from tests.test_chaos import kept_on_failure, run_chaos, _our_namespaces, _processes_mentioning
 
 pytestmark = [pytest.mark.systemd, pytest.mark.consul, pytest.mark.cluster]
 
@@ -47,14 +47,8 @@ def test_short_chaos_run_on_systemd_nodes_keeps_the_guarantees(consul_bin: str, 
     cmd = [sys.executable, "-m", "bench.chaos", "--nodes", "systemd", "--duration", "90s", "--out", str(out),
            "--seed", os.environ.get("CONSULRUN_CHAOS_SEED", "5"),
            "--job", "skip10:skip:4:*:*:0/10", "--job", "retry30:retry:1:*:*:0/30"]
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        _, stderr = proc.communicate(timeout=420)  # ~15 s of boots, 90 s of timers, then a drain
-    except subprocess.TimeoutExpired:
-        proc.send_signal(signal.SIGINT)  # it cleans up on Ctrl-C
-        _, stderr = proc.communicate(timeout=300)
-        pytest.fail(f"the chaos run did not stop by itself:\n{stderr[-3000:]}")
-    try:
+    proc, stderr = run_chaos(cmd, 420, 300)
+    with kept_on_failure(request, out, stderr, ignore=shutil.ignore_patterns("nodes")):
         report = json.loads((out / "report.json").read_text()) if (out / "report.json").exists() else None
         assert report is not None, f"the run made no report (exit {proc.returncode}):\n{stderr[-3000:]}"
         assert not _our_namespaces(f"x{proc.pid % 100000}"), "the run left network namespaces behind"
@@ -67,12 +61,6 @@ def test_short_chaos_run_on_systemd_nodes_keeps_the_guarantees(consul_bin: str, 
         assert report["jobs"]["retry30"]["retry_condition_holds"] is True
         assert proc.returncode == 0 and not report["violations"], \
             f"violations (history in {artifact_dir(request.node)}):\n{(out / 'report.md').read_text()[-6000:]}"
-    except BaseException:
-        dest = artifact_dir(request.node)
-        shutil.rmtree(dest, ignore_errors=True)
-        shutil.copytree(out, dest / "chaos", dirs_exist_ok=True, ignore=shutil.ignore_patterns("nodes"))
-        (dest / "runner.stderr").write_text(stderr)
-        raise
 
 
 def test_the_nodes_manifest_renders_and_systemd_accepts_its_units_with_the_drop_in(tmp_path: Path) -> None:

@@ -24,8 +24,7 @@ from consulrun.errors import ManifestError
 from consulrun.manifest.loader import load_manifest
 from consulrun.protocol.eachnode import SLOTS_FULL_MISSED, node_key, node_of_key
 from consulrun.units.render import run_argv
-from tests.harness.agents import Agent, Cluster, start_cluster, wait_for
-from tests.harness.netns import Network
+from tests.harness.agents import Agent, Cluster, cluster_up, wait_for
 from tests.test_occurrence import skewed
 from tests.test_run import consulrun, finish
 
@@ -39,15 +38,8 @@ def cluster(consul_bin: str, tmp_path_factory: pytest.TempPathFactory) -> Iterat
     """node1 (server) and node2, node3, node4 (clients), each in its own network namespace."""
     if os.geteuid() != 0:
         pytest.fail("the cluster needs root for network namespaces", pytrace=False)
-    network = Network(4, subnet="10.213.140.0/24", tag="e").up()
-    started = None
-    try:
-        started = start_cluster(consul_bin, tmp_path_factory.mktemp("eachnode"), network, clients=3)
+    with cluster_up(consul_bin, tmp_path_factory.mktemp("eachnode"), "10.213.140.0/24", "e", clients=3) as started:
         yield started
-    finally:
-        if started:
-            started.stop()
-        network.down()
 
 
 def _run(agent: Agent, job: str, log: Path, *args: str, seconds: float = 1.0, extra: list[str] | None = None):

@@ -15,8 +15,7 @@ import requests
 
 from consulrun.manifest.placement import Placement
 from consulrun.protocol import turns
-from tests.harness.agents import Cluster, start_cluster, wait_for
-from tests.harness.netns import Network
+from tests.harness.agents import Cluster, cluster_up, wait_for
 from tests.test_run import consulrun, finish
 
 pytestmark = [pytest.mark.consul, pytest.mark.cluster]
@@ -31,19 +30,12 @@ def cluster(consul_bin: str, tmp_path_factory: pytest.TempPathFactory) -> Iterat
     """node1 (server) and node2, node3, node4 (clients) with node meta, each in its own network namespace."""
     if os.geteuid() != 0:
         pytest.fail("the cluster needs root for network namespaces", pytrace=False)
-    network = Network(4, subnet="10.213.89.0/24", tag="p").up()
-    started = None
-    try:
-        started = start_cluster(consul_bin, tmp_path_factory.mktemp("placement"), network, clients=3,
-                                node_meta=META)
+    with cluster_up(consul_bin, tmp_path_factory.mktemp("placement"), "10.213.89.0/24", "p", clients=3,
+                    node_meta=META) as started:
         # The leader registers a joining node without its meta; the node's own anti-entropy sync adds it.
         wait_for(lambda: all(node["Meta"].get("role") == META[node["Node"]]["role"]
                              for node in started.server.get("catalog/nodes")), 90, "every node's meta in the catalog")
         yield started
-    finally:
-        if started:
-            started.stop()
-        network.down()
 
 
 def run_on(cluster: Cluster, node: str, *args: str) -> tuple[int, str, str]:

@@ -29,6 +29,7 @@ from consulrun.manifest import calendar
 from consulrun.manifest.schema import name_problem, schedule_problem
 from tests.conftest import require_tool
 from tests.harness.agents import wait_for
+from tests.test_chaos import _our_namespaces as our_namespaces, _processes_mentioning as processes_mentioning
 
 REPO = Path(__file__).resolve().parents[1]
 NODE_SCRIPT = REPO / "bench" / "scale_node.py"
@@ -197,22 +198,6 @@ def test_stopped_node_timers_kill_every_wrapper_and_its_descendants(tmp_path: Pa
     assert got[("b", "o1")]["status"] == "not fired"
 
 
-def _our_namespaces(pid: int) -> list[str]:
-    listing = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True).stdout
-    return [line.split()[0] for line in listing.splitlines() if line.split() and line.split()[0].endswith(f"-s{pid}")]
-
-
-def _processes_mentioning(text: str) -> list[str]:
-    found = []
-    for entry in Path("/proc").iterdir():
-        try:
-            if entry.name.isdigit() and text in (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode():
-                found.append(entry.name)
-        except (OSError, UnicodeDecodeError):
-            continue
-    return found
-
-
 @pytest.mark.cluster
 @pytest.mark.consul
 def test_a_short_run_runs_every_occurrence_once_and_leaves_nothing(consul_bin: str, tmp_path: Path) -> None:
@@ -232,8 +217,8 @@ def test_a_short_run_runs_every_occurrence_once_and_leaves_nothing(consul_bin: s
             proc.send_signal(signal.SIGINT)
             proc.communicate(timeout=120)
     assert proc.returncode == 0, stderr[-3000:]
-    assert not _our_namespaces(proc.pid % 100000), "the run left network namespaces behind"
-    assert not _processes_mentioning(str(out))
+    assert not our_namespaces(f"s{proc.pid % 100000}"), "the run left network namespaces behind"
+    assert not processes_mentioning(str(out))
     phases = {p["tool"]: p for p in map(json.loads, (out / "phases.jsonl").read_text().splitlines())}
     ours = phases["consulrun"]
     assert ours["occurrences"] == 2 and ours["ran_once"] == 2 and ours["misattributed"] == 0, ours
@@ -256,7 +241,7 @@ def test_ctrl_c_stops_the_run_and_removes_its_namespaces(consul_bin: str, tmp_pa
     try:
         runs = out / "2c-60-consulrun" / "runs.log"
         wait_for(lambda: runs.exists() and runs.read_text().strip(), 180, "a job to start under the scale run")
-        assert _our_namespaces(proc.pid % 100000)
+        assert our_namespaces(f"s{proc.pid % 100000}")
         proc.send_signal(signal.SIGINT)
         _, stderr = proc.communicate(timeout=120)
     finally:
@@ -264,10 +249,10 @@ def test_ctrl_c_stops_the_run_and_removes_its_namespaces(consul_bin: str, tmp_pa
             proc.kill()
             proc.wait()
     assert proc.returncode == 130, stderr[-3000:]
-    assert not _our_namespaces(proc.pid % 100000), "the run left network namespaces behind"
+    assert not our_namespaces(f"s{proc.pid % 100000}"), "the run left network namespaces behind"
     links = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True, check=True).stdout
     assert f"-s{proc.pid % 100000}" not in links and f"crbrs{proc.pid % 100000}" not in links
-    assert not _processes_mentioning(str(out))
+    assert not processes_mentioning(str(out))
     assert (out / "report.md").exists()
 
 
@@ -292,7 +277,7 @@ def test_a_phase_stopped_for_memory_says_so_and_kills_its_wrappers(consul_bin: s
                        for r in map(json.loads, (out / "2c-60-consulrun" / f"{node}.jsonl").read_text().splitlines()))
     assert statuses["not fired"] > 0
     assert "stopped: memory available below" in (out / "report.md").read_text()
-    assert not _processes_mentioning(str(out))
+    assert not processes_mentioning(str(out))
 
 
 def test_the_projection_takes_one_nodes_share_of_every_tick() -> None:

@@ -6,6 +6,7 @@ leaves the machine (loopback, or a bridge with no uplink).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -15,7 +16,7 @@ import subprocess
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import requests
 
@@ -260,3 +261,21 @@ def save_logs(agents: list[Agent], dest: Path) -> None:
     for agent in agents:
         if agent.log_path.exists():
             shutil.copy(agent.log_path, dest / agent.log_path.name)
+
+
+@contextlib.contextmanager
+def cluster_up(binary: str, workdir: Path, subnet: str, tag: str, clients: int,
+               node_meta: dict[str, dict[str, str]] | None = None) -> Iterator[Cluster]:
+    """`start_cluster` on a bridge of its own (`subnet`, `tag`: see tests.harness.netns.Network), stopped and
+    its network taken down on the way out, however the body ends."""
+    from tests.harness.netns import Network
+
+    network = Network(clients + 1, subnet=subnet, tag=tag).up()
+    started = None
+    try:
+        started = start_cluster(binary, workdir, network, clients=clients, node_meta=node_meta)
+        yield started
+    finally:
+        if started:
+            started.stop()
+        network.down()
