@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import base64
-import subprocess
+import json
 import signal
+import subprocess
 import threading
 from datetime import datetime, timezone
 import time
@@ -573,3 +574,19 @@ def test_real_timers_run_the_parent_and_the_watcher_unit_runs_the_child_once_for
         ctr.systemctl("stop", "consulrun-feed.timer", "consulrun-after@report.service", "consulrun-feed.service",
                       "consulrun-report.service", check=False)
         stop_agent_in(ctr, consul_bin, agent)
+
+
+@pytest.mark.consul
+def test_the_not_started_mark_is_never_recorded(consul: Agent, tmp_path: Path) -> None:
+    """The runner marks a stop before the fork for its own finish; a plain run's lock value records the outcome,
+    without that mark."""
+    hooks = tmp_path / "hooks"
+    hooks.mkdir()
+    plain = consulrun("run", "plainstop", "--", "true", env={"CONSULRUN_TEST_HOOK_DIR": str(hooks),
+                                                              "CONSULRUN_TEST_PAUSE": "acquired"})
+    wait_for(lambda: (hooks / "acquired").exists(), 60, "the run holding the lock, its job not started")
+    plain.send_signal(signal.SIGTERM)
+    code, _, err = finish(plain)
+    assert code == 143, err
+    last = kv_json(consul, "consulrun/plainstop/lock")["last"]
+    assert "before the job started" in last["lost"] and "_not_started" not in last, last

@@ -666,6 +666,8 @@ def _record_and_release(locker: Locker, held: Held, ledger: occurrence.Ledger | 
                         outcome: dict[str, Any], check: Callable[[dict[str, Any]], dict[str, Any]] | None = None) -> bool:
     """One attempt; True if the lock was released by it (or by an earlier attempt whose answer was lost)."""
     job = locker.spec.job
+    not_started = bool(outcome.get(NOT_STARTED))
+    outcome = {k: v for k, v in outcome.items() if k != NOT_STARTED}  # a mark for here, never recorded
     if not (ledger and claim):
         if locker.release(held, outcome, check=check) or locker.released_by_us(held):
             return True  # (or an earlier attempt went through and its answer was lost)
@@ -678,15 +680,14 @@ def _record_and_release(locker: Locker, held: Held, ledger: occurrence.Ledger | 
             log.warning("%s: the lock was no longer ours when the job ended and is held again or its run's end "
                         "recorded; this run's result is not recorded", job)
         return False
-    if claim.get("after") and outcome.get(NOT_STARTED):
+    if claim.get("after") and not_started:
         # A chained run claimed but never started (a stop, a lost lock, its command missing) gives its request
         # back, so a node runs it: no history entry, and no run chained after it.
         ops = ledger.requeue_ops(claim)
-        if locker.release(held, {k: v for k, v in outcome.items() if k != NOT_STARTED}, ops):
+        if locker.release(held, outcome, ops):
             return True
         locker.client.txn(ops)
         return False
-    outcome = {k: v for k, v in outcome.items() if k != NOT_STARTED}
     if claim.get("manual") or claim.get("after"):  # no occurrence: its history entry is all it records
         state = "lost" if outcome.get("lost") or not outcome else "done"
         ops = ledger.manual_finish_ops(claim, {"reason": outcome["lost"]} if outcome.get("lost") else outcome, state)
