@@ -24,6 +24,7 @@ from typing import Any
 import pytest
 
 from bench.chaos.checker import check
+from bench.chaos.logs import read
 from tests.conftest import artifact_dir, require_tool
 from tests.harness.agents import wait_for
 
@@ -32,8 +33,11 @@ OCC = ["2030-01-01T00:00:00Z", "2030-01-01T00:00:05Z", "2030-01-01T00:00:10Z"]
 T0 = 1893456000.0  # 2030-01-01T00:00:00Z
 
 
-def _write(out: Path, history: list[dict], nemesis: list[dict], retry_condition: bool = True) -> dict:
+def _write(out: Path, history: list[dict], nemesis: list[dict], retry_condition: bool = True,
+           probes: list[dict] | None = None) -> dict:
     out.mkdir(parents=True, exist_ok=True)
+    if probes is not None:
+        (out / "probes.log").write_text("".join(json.dumps(line) + "\n" for line in probes))
     meta = {"ttl_s": 10, "lock_delay_s": 5, "fire_until": T0 + 15, "t_end": T0 + 20, "clients": ["c1", "c2", "c3"],
             "applied_before": 100, "applied_after": 130,
             "jobs": [{"name": "s", "policy": "skip", "schedule": "*:*:0/5", "seconds": 1, "interval_s": 5,
@@ -110,6 +114,39 @@ def test_checker_finds_a_lost_occurrence_under_retry_only_where_the_condition_ho
     dense = _write(tmp_path / "dense", history, nemesis, retry_condition=False)
     assert dense["violations"] == []
     assert len(dense["jobs"]["r"]["lost_with_healthy_node"]) == 1
+
+
+def test_a_retry_occurrence_lost_while_consul_served_no_client_past_the_start_budget_is_counted_apart(
+        tmp_path: Path) -> None:
+    """The guarantee is at least once while a node can reach Consul: the availability probe's spans tell an
+    unavailable cluster from a node that could have run it; shorter or partial spans are still violations."""
+    from bench.chaos.report import totals
+
+    exits = [{"t": T0 + 3.5, "ev": "exit", "node": n, "job": "r", "sched": OCC[0], "status": 69}
+             for n in ("c1", "c2", "c3")]
+    history = sorted([*_fires("r", 0), *exits], key=lambda line: line["t"])
+
+    def probes(nodes: tuple[str, ...], down_s: float) -> list[dict]:
+        lines = [{"t": T0 - 1, "ev": "probe", "node": n, "served": True, "why": "404"} for n in ("c1", "c2", "c3")]
+        lines += [{"t": T0 + 0.2, "ev": "probe", "node": n, "served": False, "why": "500 No cluster leader"}
+                  for n in nodes]
+        lines += [{"t": T0 + 0.2 + down_s, "ev": "probe", "node": n, "served": True, "why": "404"} for n in nodes]
+        return sorted(lines, key=lambda line: line["t"])
+
+    # The wrappers' start budget for a 5 s interval is 2.5 s.
+    unavailable = _write(tmp_path / "all", history, [], probes=probes(("c1", "c2", "c3"), 4.0))
+    assert unavailable["violations"] == []
+    job = unavailable["jobs"]["r"]
+    assert job["lost_with_healthy_node"] == []
+    assert [item["occurrence"] for item in job["lost_while_no_client_served"]] == [OCC[0]]
+    assert job["lost_while_no_client_served"][0]["no_client_served_s"] >= 3.5
+    row = next(line for line in totals(unavailable) if line.startswith("| retry |"))
+    assert "| 0 (+1 while Consul served no client) |" in row
+    for name, nodes, down_s in (("short", ("c1", "c2", "c3"), 1.0), ("partial", ("c1", "c2"), 4.0),
+                                ("unprobed", (), 0.0)):
+        report = _write(tmp_path / name, history, [], probes=probes(nodes, down_s) if nodes else None)
+        assert [v["kind"] for v in report["violations"]] == ["lost under retry"], name
+        assert report["jobs"]["r"]["lost_while_no_client_served"] == [], name
 
 
 def test_the_totals_count_retry_jobs_apart_where_their_condition_does_not_hold(tmp_path: Path) -> None:
@@ -265,6 +302,9 @@ def test_short_chaos_run_keeps_the_guarantees(consul_bin: str, tmp_path: Path, r
         assert sum(report["faults"].values()) >= 3, f"too few faults injected: {report['faults']}"
         assert report["jobs"]["skip10"]["completed"] > 0 and report["jobs"]["retry30"]["completed"] > 0
         assert report["jobs"]["retry30"]["retry_condition_holds"] is True
+        probed = {line["node"] for line in read(out / "probes.log") if line["ev"] == "probe" and line["served"]}
+        assert probed == set(json.loads((out / "run.json").read_text())["clients"]), \
+            "the availability probe did not see every client served"
         assert proc.returncode == 0 and not report["violations"], \
             f"violations (history in {artifact_dir(request.node)}):\n{(out / 'report.md').read_text()[-6000:]}"
 

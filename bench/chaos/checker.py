@@ -9,7 +9,10 @@ faults, one holder running an occurrence more often than its `retries.attempts`
 allow (1 without retries), a chained job's run without its parent's end or twice for one parent run
 (chains.py), wrapper exit statuses, fencing latency (fault start -> the holder's
 job dead) and takeover latency (holder's job dead -> a standby's job start) as
-percentiles, and Raft writes per occurrence. Heartbeats come every 100 ms, so
+percentiles, and Raft writes per occurrence. A `retry` occurrence lost while no
+client's agent could serve a consistent read (probe.py) for longer than the
+wrappers' start budget is counted apart: the guarantee is at least once while
+a node can reach Consul. Heartbeats come every 100 ms, so
 "dead" times are late by at most 0.1 s. What follows a snapshot restore (an
 occurrence started again, an overlap, a retry occurrence not completed) is
 counted apart: the guarantees state it, so it is no violation.
@@ -32,7 +35,9 @@ from bench.chaos import chains
 from bench.chaos import consul_faults
 from bench.chaos.consul_faults import RESTORE_KINDS
 from bench.chaos.logs import read
+from bench.chaos.probe import PERIOD_S, unserved_spans
 from bench.chaos.report import markdown
+from consulrun.protocol.fencing import START_RETRY_S
 
 # Booted systemd nodes add unit-kill, freeze, poweroff and power-cut (bench/chaos/systemd_faults.py).
 CLIENT_FAULTS = {"agent-kill", "partition-client", "wrapper-kill", "pause", "skew",
@@ -147,6 +152,8 @@ def check(out: Path) -> dict[str, Any]:
     ttl, lock_delay = meta["ttl_s"], meta["lock_delay_s"]
     runs_by_job, timer_events = load_runs(out / "history.log")
     faults = load_faults(out / "nemesis.log", meta.get("t_end") or meta["fire_until"])
+    # Runs before the probe existed have no probes.log: every node counts as served (the old, stricter model).
+    unserved = unserved_spans(out / "probes.log", meta.get("t_end") or meta["fire_until"])
     for fault in faults:
         if fault.kind in PAUSE_FAULTS:
             for run in (r for runs in runs_by_job.values() for r in runs):
@@ -158,7 +165,7 @@ def check(out: Path) -> dict[str, Any]:
                               "ttl_s": ttl, "lock_delay_s": lock_delay,
                               "faults": dict(Counter(f.kind for f in faults)), "jobs": {}, "violations": []}
     for spec in meta["jobs"]:
-        job = _Job(spec, runs_by_job.get(spec["name"], []), timer_events, faults, meta)
+        job = _Job(spec, runs_by_job.get(spec["name"], []), timer_events, faults, meta, unserved)
         chained, chain_violations = chains.judge(spec, runs_by_job)
         report["jobs"][spec["name"]] = {**job.entry, **chained}
         report["violations"] += job.violations + chain_violations
@@ -184,8 +191,10 @@ class _Job:
     """One job's history judged: its `entry` in the report and its `violations`."""
 
     def __init__(self, spec: dict[str, Any], runs: list[Run], timer_events: list[dict[str, Any]],
-                 faults: list[Fault], meta: dict[str, Any]) -> None:
+                 faults: list[Fault], meta: dict[str, Any],
+                 unserved: dict[str, list[tuple[float, float]]] | None = None) -> None:
         self.spec, self.faults, self.clients = spec, faults, meta["clients"]
+        self.unserved = unserved or {}
         self.name, self.policy = spec["name"], spec["policy"]
         self.horizon = 2 * meta["ttl_s"] + meta["lock_delay_s"]  # how long a fault can still act after it started
         self.runs = sorted(runs, key=lambda r: r.start)
@@ -355,7 +364,9 @@ class _Job:
 
     def _lost(self) -> None:
         """Occurrences no run completed, judged against the client nodes' health during their interval."""
-        lost, lost_no_healthy, lost_repeated, lost_after_restore = [], [], [], []
+        lost, lost_no_healthy, lost_repeated, lost_after_restore, lost_unserved = [], [], [], [], []
+        # A wrapper retries an unavailable Consul this long at start, then exits 69 (runner._start_retry_budget).
+        budget = min(START_RETRY_S, self.spec["interval_s"] / 2)
         attempts_killed = Counter(r.occ for r in self.runs if not r.ended)
         attempts_killed.update(occ for _, occ in self.killed_unlogged)
         for occ in self.occurrences:
@@ -376,14 +387,20 @@ class _Job:
                     "wrappers": [{k: e.get(k) for k in ("ev", "node", "status", "ran", "last")}
                                  for e in self.fires if e.get("sched") == occ and e["ev"] in ("exit", "busy")],
                     "evidence": [ln for r in self.by_occ.get(occ, []) for ln in r.lines]}
+            # The longest span of the interval in which every client had a fault or could not be served: one
+            # past the start budget leaves every wrapper that fired in it exiting 69.
+            item["no_client_served_s"] = round(_longest_all_down(sick, self.unserved, self.clients, window), 1)
             if not healthy:
                 lost_no_healthy.append(item)
+            elif item["no_client_served_s"] >= budget - 2 * PERIOD_S:
+                lost_unserved.append(item)
             elif attempts_killed[occ] >= 2:  # the condition allows for one holder death per occurrence
                 lost_repeated.append(item)
             else:
                 lost.append(item)
         self.entry["lost_with_healthy_node"] = lost
         self.entry["lost_without_healthy_node"] = len(lost_no_healthy)
+        self.entry["lost_while_no_client_served"] = lost_unserved
         self.entry["lost_after_repeated_holder_deaths"] = lost_repeated
         self.entry["lost_around_a_restore"] = lost_after_restore
         if self.spec.get("condition_holds"):
@@ -444,6 +461,22 @@ def _some_node_healthy_throughout(sick: list[Fault], clients: list[str], window:
             return False
         t += 0.1
     return True
+
+
+def _longest_all_down(sick: list[Fault], unserved: dict[str, list[tuple[float, float]]], clients: list[str],
+                      window: tuple[float, float]) -> float:
+    """The longest span of `window` in which every client had a fault or a failing probe (sampled every 0.1 s)."""
+    longest, since, t = 0.0, None, window[0]
+    while t <= window[1]:
+        down = {f.node for f in sick if f.start <= t <= f.end + RECOVERY_S}
+        down |= {node for node, spans in unserved.items() if any(a <= t <= b for a, b in spans)}
+        if len(down & set(clients)) >= len(clients):
+            since = t if since is None else since
+            longest = max(longest, t - since)
+        else:
+            since = None
+        t += 0.1
+    return longest
 
 
 def _epoch(occ: str) -> float:

@@ -26,6 +26,8 @@ def markdown(report: dict[str, Any]) -> str:
             lost = len(e["lost_with_healthy_node"])
             if e["lost_after_repeated_holder_deaths"]:
                 lost = f"{lost} (+{len(e['lost_after_repeated_holder_deaths'])} after 2+ holder deaths)"
+            if e.get("lost_while_no_client_served"):
+                lost = f"{lost} (+{len(e['lost_while_no_client_served'])} while Consul served no client)"
         if e.get("each_node"):
             lost = f"{len(e['healthy_node_not_run'])} healthy node(s) not run" + \
                 ("" if e.get("each_node_condition_holds") else " (no room for every node: not judged)")
@@ -83,7 +85,11 @@ def totals(report: dict[str, Any]) -> list[str]:
                       for e in jobs for k in (e[key] if key == "fencing_latency_s" else [None])]
             values = [v for v in values if v is not None]
             return max(values) if values else "none"
-        lost = sum(len(e["lost_with_healthy_node"]) for e in jobs) if name.startswith("retry") else "n/a"
+        lost: object = "n/a"
+        if name.startswith("retry"):
+            lost = sum(len(e["lost_with_healthy_node"]) for e in jobs)
+            unserved = sum(len(e.get("lost_while_no_client_served", [])) for e in jobs)
+            lost = f"{lost} (+{unserved} while Consul served no client)" if unserved else lost
         # Under retry a second holder is the guarantee at work; a holder's own retries are no duplicate either.
         dupes = "n/a" if name.startswith("retry") else sum(len(e.get("duplicates", [])) for e in jobs)
         takeover = worst("takeover_latency_s", "p99") if name.startswith("retry") else "n/a"

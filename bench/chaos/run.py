@@ -24,6 +24,7 @@ from bench.chaos.checker import check
 from bench.chaos.logs import AppendLog
 from bench.procs import Stopped as _Stop, stop_on_signal as _on_signal
 from bench.chaos.nemesis import ALL_KINDS, KINDS, Nemesis
+from bench.chaos.probe import Prober
 from bench.chaos.report import markdown
 from bench.chaos.systemd_faults import SYSTEMD_KINDS
 from bench.chaos.timers import FAKETIME_LIB, RETRY_BACKOFF_S, Fleet, JobSpec, LockSettings
@@ -135,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     out: Path = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
-    for name in ("history.log", "nemesis.log", "run.json", "report.json", "report.md"):
+    for name in ("history.log", "nemesis.log", "probes.log", "run.json", "report.json", "report.md"):
         (out / name).unlink(missing_ok=True)
     lock = LockSettings(ttl_s=args.ttl, lock_delay_s=args.lock_delay)
     binary = consul_binary()
@@ -145,6 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     cluster: BigCluster | None = None
     fleet: Fleet | None = None
     nemesis: Nemesis | None = None
+    prober: Prober | None = None
     meta = {"command": "python -m bench.chaos " + shlex.join(argv if argv is not None else sys.argv[1:]),
             "duration_s": args.duration_s, "seed": args.seed, "ttl_s": lock.ttl_s, "lock_delay_s": lock.lock_delay_s,
             "max_delay_s": lock.max_delay_s, "faults": list(args.kinds),
@@ -166,6 +168,7 @@ def main(argv: list[str] | None = None) -> int:
         meta["t_start"] = time.time()
         meta["fire_until"] = fire_until = meta["t_start"] + args.duration_s
         (out / "run.json").write_text(json.dumps(meta, indent=1))
+        prober = Prober(cluster.clients, lock.prefix, out / "probes.log").start()
         fleet.start(fire_until)
         nemesis = Nemesis(cluster, fleet, nemesis_log, args.seed, stop_at=fire_until - 5, kinds=args.kinds)
         if args.kinds:
@@ -186,6 +189,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
             signal.signal(sig, signal.SIG_IGN)
+        if prober is not None:
+            prober.stop()
         if nemesis is not None:
             nemesis.stop()
             if nemesis.is_alive():

@@ -22,6 +22,7 @@ from pathlib import Path
 from bench.chaos import systemd_faults
 from bench.chaos.logs import AppendLog
 from bench.chaos.nemesis import Nemesis
+from bench.chaos.probe import Prober
 from bench.chaos.nodes import NodeFleet, SystemdCluster, boot, boot_nodes
 from bench.chaos.run import SUBNET, _on_signal, _say, _Stop, condition_holds, judge, watch_nemesis
 from bench.chaos.timers import LockSettings
@@ -43,7 +44,7 @@ def main_systemd(args: argparse.Namespace, argv: list[str] | None) -> int:
         return 2
     out: Path = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
-    for name in ("history.log", "nemesis.log", "run.json", "report.json", "report.md"):
+    for name in ("history.log", "nemesis.log", "probes.log", "run.json", "report.json", "report.md"):
         (out / name).unlink(missing_ok=True)
     (out / "history.log").touch()
     # RandomizedDelaySec= is max_delay - AccuracySec= (1 s): a timer elapses up to both after its time.
@@ -56,6 +57,7 @@ def main_systemd(args: argparse.Namespace, argv: list[str] | None) -> int:
     cluster: SystemdCluster | None = None
     fleet: NodeFleet | None = None
     nemesis: Nemesis | None = None
+    prober: Prober | None = None
     meta = {"command": "python -m bench.chaos " + shlex.join(argv if argv is not None else sys.argv[1:]),
             "nodes": "systemd", "duration_s": args.duration_s, "seed": args.seed, "ttl_s": lock.ttl_s,
             "lock_delay_s": lock.lock_delay_s, "max_delay_s": lock.max_delay_s, "faults": list(args.kinds),
@@ -78,6 +80,7 @@ def main_systemd(args: argparse.Namespace, argv: list[str] | None) -> int:
         meta["t_start"] = time.time()
         meta["fire_until"] = fire_until = meta["t_start"] + args.duration_s
         (out / "run.json").write_text(json.dumps(meta, indent=1))
+        prober = Prober(cluster.clients, lock.prefix, out / "probes.log").start()
         fleet.install()
         _say("installed on every node: " + ", ".join(f"{j.name} ({j.policy}, {j.schedule})" for j in args.job))
         nemesis = Nemesis(cluster, fleet, nemesis_log, args.seed, stop_at=fire_until - 5,  # type: ignore[arg-type]
@@ -102,6 +105,8 @@ def main_systemd(args: argparse.Namespace, argv: list[str] | None) -> int:
     finally:
         for sig in _SIGNALS:
             signal.signal(sig, signal.SIG_IGN)
+        if prober is not None:
+            prober.stop()
         _clean_up(nemesis, fleet, cluster, servers, network)
         meta.setdefault("t_end", time.time())
         if (out / "run.json").exists():
