@@ -10,6 +10,7 @@ exporter. Clocks are skewed with libfaketime, as in test_occurrence.
 
 from __future__ import annotations
 
+import base64
 import json
 import time
 from datetime import datetime, timezone
@@ -300,3 +301,24 @@ def test_an_occurrence_within_its_start_deadline_runs(consul: Agent, tmp_path: P
     assert code == 0 and ran.exists(), err
     code, _, err = finish(consulrun("run", "--start-deadline", "3h", "plain", "--", "true"))
     assert code == 2 and "--start-deadline is about a scheduled occurrence: it needs --schedule" in err, err
+
+
+def test_a_lead_past_the_tolerance_never_reads_as_within_it() -> None:
+    """A lead of 2.04 s is past the 2 s tolerance (ahead_of_us reports it); recorded and shown as 2.0 it read as
+    within it (a booted test saw `ahead_s: 2.0` for a node found ahead). Rounded up to 0.1 s; "at least" in the
+    line rounds down."""
+    from datetime import timedelta
+
+    from consulrun.protocol import clockskew
+
+    now = datetime(2030, 1, 1, tzinfo=timezone.utc)
+    for lead, shown in ((2.04, 2.1), (2.1, 2.1), (2.15, 2.2), (12.0, 12.0), (11.99, 12.0)):
+        record = {"node": "node3", "occurrence": "2030-01-01T00:00:00Z",
+                  "started": (now + timedelta(seconds=lead)).isoformat()}
+        measured = clockskew.ahead_of_us(record, now)
+        assert measured is not None and abs(measured - lead) < 1e-6, (lead, measured)
+        assert clockskew.reported(measured) == shown > clockskew.SKEW_TOLERANCE_S
+        ops = clockskew.finding_ops({}, "p/j", record, measured, "node1", now)
+        assert json.loads(base64.b64decode(ops[0]["KV"]["Value"]))["ahead_s"] == shown, ops
+        assert f"at least {int(lead)}s ahead" in clockskew.note(record, measured)
+    assert clockskew.ahead_of_us({"node": "node3", "started": (now + timedelta(seconds=2.0)).isoformat()}, now) is None

@@ -22,6 +22,7 @@ node's word would let a single slow clock hold back every correct node.
 
 from __future__ import annotations
 
+import math
 import re
 from datetime import datetime, timezone
 
@@ -58,12 +59,18 @@ def ahead_of_us(record: dict[str, Any] | None, now: datetime) -> float | None:
     return lead if lead > SKEW_TOLERANCE_S else None
 
 
+def reported(lead: float) -> float:
+    """A lead as recorded and shown, to 0.1 s: rounded up, so one past SKEW_TOLERANCE_S (2.04 s) never reads as
+    within it (2.0 s)."""
+    return math.ceil(round(lead * 10, 6)) / 10
+
+
 def note(record: dict[str, Any], lead: float) -> str:
-    """The finding, for a log line or a status problem."""
-    return (f"{writer(record)}'s clock is at least {lead:.0f}s ahead of this node's: its record of occurrence "
-            f"{record.get('occurrence')} carries a time {lead:.0f}s in this node's future (one of the two clocks "
-            "is wrong; a clock ahead by more than the job's interval runs every occurrence early under the next "
-            "one's name, and the occurrence it jumped over runs nowhere)")
+    """The finding, for a log line or a status problem ("at least": whole seconds, rounded down)."""
+    return (f"{writer(record)}'s clock is at least {math.floor(lead)}s ahead of this node's: its record of "
+            f"occurrence {record.get('occurrence')} carries a time {math.floor(lead)}s in this node's future (one "
+            "of the two clocks is wrong; a clock ahead by more than the job's interval runs every occurrence early "
+            "under the next one's name, and the occurrence it jumped over runs nowhere)")
 
 
 # What a node's findings about others' clocks may do. Nodes that saw a node's times in their future record it
@@ -118,7 +125,7 @@ def finding_ops(entries: dict[str, dict[str, Any]], base: str, record: dict[str,
     ours = _findings(entries, base, accused).get(me)
     if ours and (now - ours["at"]).total_seconds() < FINDING_REFRESH_S and ours["ahead_s"] >= lead - SKEW_TOLERANCE_S:
         return []
-    value = {"node": accused, "by": me, "ahead_s": round(lead, 1), "at": now_iso_of(now),
+    value = {"node": accused, "by": me, "ahead_s": reported(lead), "at": now_iso_of(now),
              "occurrence": record.get("occurrence")}
     return [kv_op("set", keys.clock_key(base, accused, me), value)]
 
