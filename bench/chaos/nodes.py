@@ -118,10 +118,7 @@ def _write_node_config(ctr: Container, index: int, name: str, ip: str, servers: 
     wants = units / "multi-user.target.wants" / AGENT_UNIT
     if not wants.is_symlink():
         wants.symlink_to(f"/etc/systemd/system/{AGENT_UNIT}")
-    # Nobody reads the console of a --console=passive container: once its pty's buffer is full, PID 1 blocks on its
-    # next status line or console log (a power-off then hangs until killed). The node's journal has it all anyway.
-    (etc / "systemd" / "system.conf.d").mkdir(parents=True, exist_ok=True)
-    (etc / "systemd" / "system.conf.d" / "chaos-console.conf").write_text("[Manager]\nShowStatus=no\nLogTarget=journal\n")
+    # The console is quiet for every booted container (tests/harness/nspawn.py Container._prepare).
     (etc / NODEFILE.removeprefix("/etc/")).write_text(json.dumps({"node": name, "index": index, "boot": 0}))
 
 

@@ -56,6 +56,11 @@ class Container:
             if not masked.is_symlink():
                 masked.symlink_to("/dev/null")
         (upper / "etc" / "hostname").write_text(f"{self.name}\n")
+        # Nobody reads the console of a --console=passive container: once its pty's buffer is full, PID 1 blocks on
+        # its next status line or console log (a power-off then hangs until killed). The journal has it all anyway.
+        (upper / "etc" / "systemd" / "system.conf.d").mkdir(parents=True, exist_ok=True)
+        (upper / "etc" / "systemd" / "system.conf.d" / "harness-console.conf").write_text(
+            "[Manager]\nShowStatus=no\nLogTarget=journal\n")
         subprocess.run(["mount", "-t", "overlay", "overlay", "-o",
                         f"lowerdir=/,upperdir={upper},workdir={work}", str(self.merged)], check=True)
 
