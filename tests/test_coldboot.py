@@ -212,7 +212,7 @@ def test_an_agent_sigkilled_and_restarted_by_systemd_takes_its_running_job_with_
     def marks(ctr: Container) -> dict[str, float]:
         path = ctr.shared / "runs"
         found = [line.split() for line in path.read_text().splitlines()] if path.exists() else []
-        return {what: float(at) for occ, what, at in found if occ == occurrence}
+        return {f[1]: float(f[2]) for f in found if len(f) == 3 and f[0] == occurrence}
 
     try:
         holder = wait_for(lambda: next((c for c in clients if "start" in marks(c)), None), 90,
