@@ -1,4 +1,5 @@
-"""A cold boot of the whole cluster: every node powered off across an occurrence, then booted together.
+"""A cold boot of the whole cluster: every node powered off across an occurrence, then booted together; and, on
+the same nodes (each agent a unit systemd restarts), an agent SIGKILLed under a running job.
 
 Each node's Consul agent is a systemd unit of its own (`Type=notify`, as Consul's packaged unit has), so it
 starts at boot beside the jobs' timers. A `Persistent=true` timer then fires its catch-up for the missed
@@ -24,7 +25,7 @@ from tests.conftest import artifact_dir, container_binds, require_tool
 from tests.harness.agents import wait_for
 from tests.harness.netns import Network
 from tests.harness.nspawn import Container
-from tests.test_install import install, manifest
+from tests.test_install import install, journal, manifest
 
 pytestmark = [pytest.mark.systemd, pytest.mark.consul]
 
@@ -173,3 +174,68 @@ def test_cold_boot_of_every_node_runs_the_missed_occurrence_once(cluster, consul
     for ctr in nodes:  # no node failed its catch-up (a 69 would have notified)
         result = ctr.systemctl("show", unit, "-p", "Result", check=False).stdout.strip()
         assert result == "Result=success", (ctr.name, result)
+
+
+@pytest.mark.parametrize("cluster", ["packaged"], indirect=True)
+def test_an_agent_sigkilled_and_restarted_by_systemd_takes_its_running_job_with_it(cluster, consul_bin: str,
+                                                                                     request: pytest.FixtureRequest
+                                                                                     ) -> None:
+    """docs/guarantees.md, Fencing, *Killing the agent kills the job, even when systemd restarts it* (issue #31,
+    item 7). The runner's agent (consul.service, Restart=on-failure) is SIGKILLed mid-job; systemd restarts it
+    15 s later (a drop-in): after the other members have declared its node failed, which invalidates its
+    session, and before the wrapper's own fencing deadline (24 s at lock-delay 30 s) would stop the job for want
+    of answers. The restarted agent is a healthy node again, but the session is gone: the job is stopped as soon
+    as the agent answers (exit 75), and under retry the other client runs the occurrence again, to its end, only
+    after the first run's job was dead."""
+    nodes, _ = cluster
+    wait_for(lambda: _leader_sees_all(nodes[0], consul_bin), 120, "the three agents to form a cluster")
+    clients = nodes[1:]  # node1 is the one server: killing its agent would be the cluster's outage, not a node's
+    for ctr in clients:
+        dropin = ctr.unit_dir / "consul.service.d"
+        dropin.mkdir(parents=True, exist_ok=True)
+        (dropin / "restart.conf").write_text("[Service]\nRestartSec=15s\n")
+        ctr.systemctl("daemon-reload")
+    due = (datetime.now(timezone.utc) + timedelta(seconds=45)).replace(microsecond=0)
+    occurrence = due.strftime("%Y-%m-%dT%H:%M:%SZ")
+    mark = f'echo "$CONSULRUN_OCCURRENCE {{what}} $(date +%s.%N)" >> /shared/runs'
+    job = {"command": ["sh", "-c", f"trap '{mark.format(what='killed')}; exit 143' TERM; {mark.format(what='start')}; "
+                                   f"sleep 40 & wait; {mark.format(what='end')}"],
+           "schedule": due.strftime("*-*-* %H:%M:%S UTC"), "on_holder_loss": "retry",
+           "lock": {"ttl": "10s", "lock_delay": "30s"}, "nodes": {"names": ["node2", "node3"]}}
+    text = manifest({"steady": job})
+    for ctr in clients:
+        result = install(ctr, text)
+        assert result.returncode == 0, result.stderr
+    assert datetime.now(timezone.utc) < due - timedelta(seconds=5), "installing took too long for this test"
+    unit = "consulrun-steady.service"
+
+    def marks(ctr: Container) -> dict[str, float]:
+        path = ctr.shared / "runs"
+        found = [line.split() for line in path.read_text().splitlines()] if path.exists() else []
+        return {f[1]: float(f[2]) for f in found if len(f) == 3 and f[0] == occurrence}
+
+    try:
+        holder = wait_for(lambda: next((c for c in clients if "start" in marks(c)), None), 90,
+                          "a client to start the occurrence")
+        other = next(c for c in clients if c is not holder)
+        wait_for(lambda: "standing by" in journal(other, unit), 30, "the other client to stand by")
+        time.sleep(3)
+        holder.systemctl("kill", "-s", "KILL", "consul.service")
+        wait_for(lambda: "end" in marks(other), 180, "the other client to run the occurrence to its end", interval=1)
+    finally:
+        dest = artifact_dir(request.node)
+        dest.mkdir(parents=True, exist_ok=True)
+        for ctr in clients:
+            log = ctr.exec("journalctl", "--no-pager", "-b", "-u", unit, "-u", "consul.service", check=False)
+            (dest / f"{ctr.name}.journal").write_text(log.stdout + log.stderr)
+    assert int(holder.systemctl("show", "-P", "NRestarts", "consul.service").stdout.strip()) >= 1  # systemd did
+    assert holder.systemctl("show", "-P", "ExecMainStatus", unit).stdout.strip() == "75"
+    said = journal(holder, unit)
+    lost = [line for line in said.splitlines() if "lock lost: " in line]
+    assert lost and "not confirmed" not in lost[0], said  # stopped by what the restarted agent said, not by silence
+    first, second = marks(holder), marks(other)
+    assert "killed" in first and "end" not in first, first
+    assert second["start"] > first["killed"], (first, second)  # never two at once
+    record = json.loads(other.exec(consul_bin, "kv", "get", "consulrun/steady/occurrence").stdout)
+    assert (record["state"], record["exit_status"], record["attempt"], record["takeover"]) == ("done", 0, 2, True)
+    assert record["earlier"][0]["node"] == f"node{nodes.index(holder) + 1}", record

@@ -227,6 +227,24 @@ def test_the_unit_runs_each_node_with_its_schedule_slots_retries_and_start_deadl
     assert "--each-node" not in run_argv(manifest, replace(manifest.jobs[0], mode="once"), "/usr/bin/consulrun")
 
 
+def test_a_node_waiting_for_its_slot_is_not_cut_off_by_its_units_start_timeout(tmp_path: Path) -> None:
+    """A node waits for a slot up to its next occurrence, then runs its whole timeout: a TimeoutStartSec= summed
+    for one run (13m6s for a 10m timeout) stopped the second node of two whose runs take 7 minutes in the middle
+    of its own run, and the third while it still waited (its share then neither ran nor was recorded missed).
+    The wrapper bounds the wait and the run itself: the unit gets no TimeoutStartSec= backstop."""
+    from consulrun.units.render import render
+
+    path = _manifest(tmp_path, "    mode: each-node\n    timeout: 10m\n")
+    manifest = load_manifest(path)
+    units = render(manifest, "/usr/bin/consulrun")
+    service = next(text for name, text in units.items() if name.endswith("roll.service"))
+    assert "--timeout 10m" in service, service
+    assert "TimeoutStartSec=" not in service, service
+    once = load_manifest(_manifest(tmp_path, "    timeout: 10m\n"))  # a once-per-cluster job keeps its backstop
+    assert "TimeoutStartSec=13m6s" in next(t for n, t in render(once, "/usr/bin/consulrun").items()
+                                           if n.endswith("roll.service"))
+
+
 def test_run_refuses_each_node_without_a_schedule_or_with_retry() -> None:
     code, _, err = finish(consulrun("run", "--each-node", "roll", "--", "true"))
     assert code == 2 and "--each-node" in err and "needs --schedule" in err, err

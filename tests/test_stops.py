@@ -20,6 +20,37 @@ REPO = Path(__file__).resolve().parents[1]
 DAILY = "*-*-* 00:00:00"
 
 
+class _Job:
+    """What JobTimeout asks of a job: signals it sends, and whether anything is left."""
+
+    def __init__(self) -> None:
+        self.sent: list[object] = []
+
+    def signal(self, signum: int) -> None:
+        self.sent.append(signum)
+
+    def kill_all(self, grace: float) -> None:
+        self.sent.append(("kill_all", grace))
+
+    def alive(self) -> bool:
+        return True
+
+
+def test_timeout_lines_write_durations_as_systemd_does(caplog: pytest.LogCaptureFixture) -> None:
+    """lock-delay 10s gives a grace of 10/3 s: the lines said `SIGKILL after 3.33333s` (%g), and a 90 s timeout
+    `90s`; every other line that says how long goes through timefmt.duration (issue #31, item 7)."""
+    from consulrun.protocol.stops import JobTimeout
+
+    limit, job = JobTimeout("tidy", 90.0, 10 / 3, started=0.0), _Job()
+    with caplog.at_level("WARNING", logger="consulrun"):
+        limit.check(job, 90.0)
+        limit.check(job, 95.0)
+    said = [r.getMessage() for r in caplog.records]
+    assert said == ["tidy: the job exceeded its timeout of 1m30s; stopping its processes (SIGTERM, SIGKILL after "
+                    "3.3s)", "tidy: the job outlived the 3.3s grace after its timeout; killing what is left (SIGKILL)"]
+    assert job.sent == [signal.SIGTERM, ("kill_all", 0)]
+
+
 @pytest.mark.parametrize(("cgroup", "unit"), [
     ("0::/system.slice/consulrun-tick.service\n", "consulrun-tick.service"),  # cgroup v2
     ("12:pids:/system.slice/x.service\n1:name=systemd:/system.slice/consulrun-a.b.service\n0::/\n",

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import time
 from collections.abc import Iterator
@@ -144,6 +145,11 @@ def test_a_takeover_gets_its_whole_timeout_from_its_own_start(nodes: list[Contai
     assert "taking over from a dead runner" in log and "job exited with status 0" in log, log
     third = next(c for c in others if c is not second)
     assert f"{occ} start" not in lines(third, name)
+    # Issue #31 item 7: the turns' and the standbys' waits say how long as systemd writes it (`942ms`, `2s`,
+    # `23h59m40s`), never `0.94226s`.
+    said = "\n".join(journal(c, f"consulrun-{name}.service") for c in nodes)
+    waits = re.findall(r"for up to (\S+?)(?=[\s;,)]|$)", said, re.M)
+    assert waits and all(re.fullmatch(r"\d+ms|\d\.\ds|(\d+h)?(\d+m)?(\d+s)?", w) for w in waits), waits
 
 
 def notified(ctr: Container, name: str) -> str | None:

@@ -1,7 +1,7 @@
 """Job chains (`after:`): a job run once for each occurrence of another that ended as asked.
 
 The parent's end is a request key, `<prefix>/<child>/after/<parent>/<run>`
-({parent, occurrence, state, exit_status, node, ended}), written in the very
+({parent, run, state, exit_status, node, ended}), written in the very
 transaction that records the parent's final result (`then_ops`, carried by the
 occurrence record's check-and-set): there is no instant at which the parent
 has ended and the request does not exist, so the node that ran the parent may
@@ -13,7 +13,7 @@ blocking reads (`consulrun chain-watch`, chainwatch.py: no write while
 idle) and starts the child's unit; the child's `consulrun run` takes the lock
 and consumes the request in one transaction: check-and-delete of the request
 and check-and-set, from nothing, of its history entry
-`history/<run>~after~<parent>`, so of all the nodes racing for it one runs it,
+`history/<run's segment>,after,<parent>` (keys.py), so of all the nodes racing for it one runs it,
 once, and even a request written again later (a re-recorded parent) cannot run
 it twice. The run is then recorded like a manual run, in that history entry,
 and its own end is a request for its own children.

@@ -24,6 +24,7 @@ import logging
 import signal
 
 from consulrun.protocol.procinfo import own_unit
+from consulrun.timefmt import duration
 
 TYPE_CHECKING = False  # typing's own flag without importing typing on every run
 if TYPE_CHECKING:
@@ -55,15 +56,15 @@ class JobTimeout:
         if not self.expired and now >= self.term_at:
             self.expired = True
             if now < self.kill_at:
-                log.warning("%s: the job exceeded its timeout of %gs; stopping its processes (SIGTERM, SIGKILL "
-                            "after %gs)", self.name, self.timeout_s, self.grace_s)
+                log.warning("%s: the job exceeded its timeout of %s; stopping its processes (SIGTERM, SIGKILL "
+                            "after %s)", self.name, duration(self.timeout_s), duration(self.grace_s))
                 job.signal(signal.SIGTERM)
                 return
-            log.warning("%s: the job exceeded its timeout of %gs; killing its processes (SIGKILL at once: the "
-                        "wrapper woke too late for a grace period)", self.name, self.timeout_s)
+            log.warning("%s: the job exceeded its timeout of %s; killing its processes (SIGKILL at once: the "
+                        "wrapper woke too late for a grace period)", self.name, duration(self.timeout_s))
         elif self.expired and not self.killed and now >= self.kill_at and job.alive():
-            log.warning("%s: the job outlived the %gs grace after its timeout; killing what is left (SIGKILL)",
-                        self.name, self.grace_s)
+            log.warning("%s: the job outlived the %s grace after its timeout; killing what is left (SIGKILL)",
+                        self.name, duration(self.grace_s))
         else:
             return
         self.killed = True

@@ -38,9 +38,12 @@ def start_timeout_ms(job: Job) -> int | None:
     """The unit's TimeoutStartSec= (a backstop: `run --timeout` enforces the job's own timeout), None without one.
 
     The turns are counted at their most (6 s), not for the schedule's gap, so
-    the unit's text does not depend on when it was generated.
+    the unit's text does not depend on when it was generated. An each-node
+    job has none: each node waits for a slot up to its next occurrence (the
+    other nodes' runs), then runs its whole timeout; a sum for one run would
+    stop it while it waits or runs, and the wrapper bounds both itself.
     """
-    if not job.timeout_ms:
+    if not job.timeout_ms or job.mode == "each-node":
         return None
     return start_backstop_ms(job.timeout_ms, job.lock.lock_delay_ms, job.lock.ttl_ms, job.lock.wait_ms,
                              job.timer.accuracy_ms + job.timer.randomized_delay_ms, turn_ms(None),
