@@ -97,7 +97,8 @@ def _node_commands(env: dict[str, str], tmp_path: Path, watchdog: Path | None, j
 
 def _operator_commands(env: dict[str, str], tmp_path: Path, manifest: Path, holder: object,
                        node_env: dict[str, str]) -> None:
-    """status, the exporter, history, pause, resume, trigger and unlock, with acljob's lock held by `holder`."""
+    """status, the exporter, history, pause, resume, trigger and unlock, with acljob's lock held by `holder`; then
+    logs and forget (what `acl-policy --operator` says it is for, beside them)."""
     out, _ = _ok(consulrun("status", str(manifest), "acljob", env=env))
     assert "held" in out, out
     out, _ = _ok(consulrun("exporter", str(manifest), "--textfile", "-", env=env))
@@ -110,6 +111,12 @@ def _operator_commands(env: dict[str, str], tmp_path: Path, manifest: Path, hold
     assert "trigjob: manual run on" in out and "exit status 0" in out, out
     _ok(consulrun("unlock", str(manifest), "acljob", "--yes", "--force", env=env))
     assert finish(holder)[0] == 75  # type: ignore[arg-type]
+    # The run was made by hand, outside systemd: logs reads its record (no ACL denial) and says it has no journal.
+    _, err = _ok(consulrun("logs", str(manifest), "acljob", env=env), 6)
+    assert "ACL" not in err, err
+    _ok(consulrun("forget", str(manifest), "acljob", "--yes", env=env))
+    out, _ = _ok(consulrun("history", str(manifest), "acljob", env=env))
+    assert "exit" not in out and "lost" not in out, out  # its records are gone
 
 
 def test_every_command_works_with_the_default_policy_on_a_node_with_checks_and_other_sessions(

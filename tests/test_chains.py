@@ -130,6 +130,8 @@ def test_a_parent_s_end_is_a_request_written_with_its_result_and_the_child_runs_
 
     code, _, err = _child(tmp_path)
     assert code == 0, err
+    # The journal line names the parent's run (it said "parent's None" once the request's field became `run`).
+    assert f"acquired consulrun/child/lock for the run after parent's {occ} (node dev1," in err, err
     assert (tmp_path / "child").read_text() == f"parent {occ} done 0 {occ}~after~parent\n"
     assert kv_json(consul, f"consulrun/child/after/parent/{stamp(occ)}") is None  # consumed
     entry = kv_json(consul, f"consulrun/child/history/{stamp(occ)},after,parent")

@@ -406,7 +406,7 @@ def _run_held(request: RunRequest, locker: Locker, held: Held, fencing: Fencing,
     if claim and claim.get("manual"):
         which = f" for a manual run asked for by {claim.get('requested_by')}"
     elif claim and claim.get("after"):
-        which = f" for the run after {claim['after'].get('job')}'s {claim['after'].get('occurrence')}"
+        which = f" for the run after {claim['after'].get('job')}'s {printable(claim['after'].get('run'))}"
     elif claim:
         which = f" for occurrence {claim['occurrence']}" + (", taking over from a dead runner," if claim["takeover"] else "")
     # The node is Consul's name for it (on-failure reads it from this line: it can differ from the host name).
