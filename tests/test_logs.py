@@ -8,7 +8,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from consulrun.report.logs import choose
+from consulrun.report.logs import choose, split_occurrence
 from consulrun.report.status import NoState
 from tests.harness.nspawn import Container
 from tests.test_install import CONSULRUN, agent_node, install, manifest
@@ -99,3 +99,12 @@ def test_choose_takes_the_last_attempt_of_the_newest_occurrence_unless_told() ->
     assert choose(manual, "j", None, None) is manual[0]
     with pytest.raises(NoState, match="no run in the history"):
         choose(rows[:1], "j", None, None)
+
+
+def test_the_occurrence_is_taken_as_history_or_as_the_consul_ui_writes_it() -> None:
+    """The UI shows the history key (`20261201T020000Z`); given that, `logs` took it for a second job name and
+    failed with a usage error."""
+    assert split_occurrence(("j", "2026-12-01T02:00:00Z")) == (("j",), "2026-12-01T02:00:00Z")
+    assert split_occurrence(("m.yaml", "j", "20261201T020000Z")) == (("m.yaml", "j"), "2026-12-01T02:00:00Z")
+    assert split_occurrence(("m.yaml", "j")) == (("m.yaml", "j"), None)
+    assert split_occurrence(("20261201T020000Z",)) == (("20261201T020000Z",), None)  # alone it is the JOB

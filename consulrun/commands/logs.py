@@ -27,8 +27,9 @@ def logs(targets: tuple[str, ...], prefix: str | None, attempt: int | None, ssh_
          ssh_options: tuple[str, ...], output: str, **consul: str | None) -> None:
     """Print the journal lines of one run of JOB, wherever in the cluster it ran.
 
-    The run is OCCURRENCE's (as `history` names it, e.g. 2026-12-01T02:00:00Z),
-    else the newest run. Its row in the history names the host and the
+    The run is OCCURRENCE's (as `history` names it, e.g. 2026-12-01T02:00:00Z,
+    or as its key in the Consul UI does, 20261201T020000Z), else the newest
+    run. Its row in the history names the host and the
     systemd invocation id; its lines (consulrun's and the job's) are read with
     `journalctl _SYSTEMD_INVOCATION_ID=...` on that host: here if it is this
     host, else over ssh (BatchMode, as `install --host`). Nothing of a run's
@@ -41,8 +42,8 @@ def logs(targets: tuple[str, ...], prefix: str | None, attempt: int | None, ssh_
     from consulrun.report import history as past, logs as journal
     from consulrun.units.remote import host_problem, ssh_argv
 
-    occurrence = targets[-1] if len(targets) > 1 and ":" in targets[-1] else None  # job names have no ':'
-    loaded, jobs = manifest_and_jobs(targets[:-1] if occurrence else targets)
+    names, occurrence = journal.split_occurrence(targets)
+    loaded, jobs = manifest_and_jobs(names)
     if len(jobs) != 1:
         raise UsageError("logs takes one JOB and an optional OCCURRENCE, after an optional MANIFEST")
     job = jobs[0]

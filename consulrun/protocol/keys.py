@@ -168,6 +168,11 @@ def stamp(when: str) -> str:
     return "{}{}{}T{}{}{}Z".format(*match.groups()) if match else segment(when)
 
 
+def is_stamp(name: str) -> bool:
+    """True if `name` is a time as `stamp` writes it (`20261129T020000Z`)."""
+    return bool(_STAMP.match(name))
+
+
 def unstamp(name: str) -> str:
     """The time a key segment names, as consulrun writes times in values: the inverse of `stamp`, and an old
     key's segment (`2026-11-29T02:00:00Z`) as it is."""

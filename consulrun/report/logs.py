@@ -18,6 +18,18 @@ if TYPE_CHECKING:
     from typing import Any
 
 
+def split_occurrence(targets: tuple[str, ...]) -> tuple[tuple[str, ...], str | None]:
+    """[MANIFEST] JOB [OCCURRENCE]: the targets before the occurrence, and the occurrence as `history` writes it.
+    The last of two or more is an occurrence if it has a ':' (no job name has one) or is written as its history
+    key names it in the Consul UI (`20261201T020000Z`)."""
+    from consulrun.protocol import keys
+
+    last = targets[-1] if len(targets) > 1 else ""
+    if ":" in last or keys.is_stamp(last):
+        return targets[:-1], keys.unstamp(last)
+    return targets, None
+
+
 def choose(rows: list[dict[str, Any]], job: str, occurrence: str | None, attempt: int | None) -> dict[str, Any]:
     """The run asked for among `rows` (newest first): OCCURRENCE's last attempt, or attempt N of it; without
     OCCURRENCE, the newest run (attempt N of the newest occurrence). NoState (exit 6) if there is none."""
