@@ -73,8 +73,9 @@ class ManifestError(UsageError):
 
 class ConsulUnavailable(ConsulrunError):
     """Consul could not serve a request. `transient`: the servers answered that they cannot yet
-    (no leader, an RPC error, a 5xx, a node not yet registered), which a leader election or an agent that has
-    just started causes, and which is worth retrying. `not_listening`: nothing listens at the agent's address
+    (no leader, an RPC error, a 5xx, a node not yet registered), or the agent did not answer in time (it holds a
+    request while the servers elect a leader), which a leader election or an agent that has just started
+    causes, and which is worth retrying. `not_listening`: nothing listens at the agent's address
     (refused, no socket): an agent still starting if the system has just booted, else an agent that is down."""
 
     exit_code = ExitCode.CONSUL_UNAVAILABLE

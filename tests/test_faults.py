@@ -735,6 +735,25 @@ def test_confirmations_refused_for_a_moment_are_said_once_and_so_is_their_return
     assert err.count("consulrun: flaky: the lock is confirmed again") == 1, err
 
 
+def test_an_agent_that_does_not_answer_in_time_at_start_is_waited_out_within_the_start_budget(
+        consul: Agent, tmp_path: Path) -> None:
+    """The first read of the job's keys held past the client's 10 s timeout, as an agent holds a request while
+    the servers elect a leader (the long chaos run saw it through a leader kill: every node gave up with 69
+    11 s into a 15 s start budget, and Consul answered again a second later, so the occurrence ran nowhere).
+    A timeout at start is retried within the budget, as a refusal in an election is; nothing was written."""
+    from tests.harness.faultproxy import FaultProxy
+
+    ran = tmp_path / "ran"
+    with FaultProxy(consul.http_addr) as proxy:
+        stalled = proxy.fail("PUT", "consulrun/stalled/occurrence", "stall")
+        code, _, err = finish(consulrun("run", "--schedule", YEARLY, "stalled", "--", "touch", str(ran),
+                                        env={"CONSUL_HTTP_ADDR": proxy.address}), timeout=120)
+    assert len(stalled.hits) == 1, (stalled.hits, err)
+    assert code == 0 and ran.exists(), err
+    assert "Consul agent did not answer in time" in err and "retrying for up to" in err, err
+    assert kv_json(consul, "consulrun/stalled/occurrence")["state"] == "done"
+
+
 def test_waiting_is_said_once_with_what_for(consul: Agent, tmp_path: Path) -> None:
     started = tmp_path / "started"
     holder = consulrun("run", "saywait", "--", "sh", "-c", f"touch {started}; sleep 60")

@@ -217,8 +217,8 @@ def translated(what: str) -> Iterator[None]:
     except OSError as exc:
         if _tls_failure(exc):
             raise ConsulUnavailable(f"{what}: TLS failure talking to Consul: {_short(exc)}") from None
-        if isinstance(exc, TimeoutError):
-            raise ConsulUnavailable(f"{what}: Consul agent did not answer in time") from None
+        if isinstance(exc, TimeoutError):  # an agent holds a request while the servers elect: worth retrying
+            raise ConsulUnavailable(f"{what}: Consul agent did not answer in time", transient=True) from None
         raise ConsulUnavailable(f"{what}: Consul agent not reachable: {_reason(exc)}",
                                 not_listening=_not_listening(exc)) from None
     except ConsulAnswer as exc:

@@ -285,7 +285,7 @@ def _not_ready_yet(exc: ConsulUnavailable) -> str:
     """Why `exc` at start may be Consul not ready yet rather than an outage ('' if it is an outage): servers
     electing a leader or an agent that has just started (its node not yet registered) answer so, and nothing
     listens yet at the address of an agent still starting, which it can be only while the system boots."""
-    if exc.transient:
+    if exc.transient:  # an agent holds a request while its servers elect a leader: a timeout is one too
         return "an agent still starting or servers electing a leader answer so"
     if exc.not_listening:
         from consulrun.protocol.procinfo import system_age

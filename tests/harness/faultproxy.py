@@ -2,9 +2,10 @@
 
 Each rule matches a request by method and a text its body (or path) holds,
 for its next `times` matches, and either refuses it (answers as a server in
-an election does, without forwarding: nothing is written) or loses the answer
-(forwards it, so Consul applies it, then answers 500 instead of Consul's
-answer). Everything else is forwarded as it is, on loopback only.
+an election does, without forwarding: nothing is written), stalls it (holds
+it `stall_s`, past a client's timeout, as an agent holds a request while the
+servers elect a leader, then refuses it) or loses the answer (forwards it, so
+Consul applies it, then answers 500 instead of Consul's answer). Everything else is forwarded as it is, on loopback only.
 
 With `strict_keys`, it also answers as Consul 1.21.5 did to a KV key outside
 that release's rule (hashicorp/consul#22822, #22835): its message, with 400
@@ -23,6 +24,7 @@ import http.server
 import json
 import re
 import threading
+import time
 import urllib.parse
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -55,11 +57,12 @@ def refused_keys(method: str, path: str, body: bytes) -> list[str]:
 class Rule:
     method: str
     holds: str  # a text the request's path or body holds
-    action: str  # "refuse", "lose-answer", or "forward" (only its `then` happens first)
+    action: str  # "refuse", "stall", "lose-answer", or "forward" (only its `then` happens first)
     times: int = 1
     then: Callable[[str], None] | None = None  # given the request; done before answering: another node's move
     hits: list[str] = field(default_factory=list)  # what it matched, for the test to check
     answer: bytes = ELECTION  # the 500's text when refused: an election by default, which callers retry
+    stall_s: float = 12.0  # how long "stall" holds the request: past consulrun's 10 s client timeout
 
 
 class FaultProxy:
@@ -91,7 +94,9 @@ class FaultProxy:
                 rule = proxy._match(self.command, self.path, body)
                 if rule and rule.then:
                     rule.then(self.path + "\n" + body.decode("utf-8", "replace"))
-                if rule and rule.action == "refuse":
+                if rule and rule.action == "stall":
+                    time.sleep(rule.stall_s)
+                if rule and rule.action in ("refuse", "stall"):
                     return self._answer(500, rule.answer)
                 upstream_conn = http.client.HTTPConnection(host, int(port), timeout=600)
                 try:
@@ -107,12 +112,15 @@ class FaultProxy:
                     upstream_conn.close()
 
             def _answer(self, status: int, data: bytes, headers: dict[str, str] | None = None) -> None:
-                self.send_response(status)
-                for key, value in (headers or {}).items():
-                    self.send_header(key, value)
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
+                try:
+                    self.send_response(status)
+                    for key, value in (headers or {}).items():
+                        self.send_header(key, value)
+                    self.send_header("Content-Length", str(len(data)))
+                    self.end_headers()
+                    self.wfile.write(data)
+                except (BrokenPipeError, ConnectionResetError):  # the caller gave up waiting (a stall's aim)
+                    pass
 
             do_GET = do_PUT = do_POST = do_DELETE = _handle
 
