@@ -73,8 +73,8 @@ class ManifestError(UsageError):
 
 class ConsulUnavailable(ConsulrunError):
     """Consul could not serve a request. `transient`: the servers answered that they cannot yet
-    (no leader, an RPC error, a 5xx, a node not yet registered), or the agent did not answer in time (it holds a
-    request while the servers elect a leader), which a leader election or an agent that has just started
+    (no leader, an RPC error, a 5xx, a node not yet registered), or the agent did not answer a read in time (it
+    holds a request while the servers elect a leader), which a leader election or an agent that has just started
     causes, and which is worth retrying. `not_listening`: nothing listens at the agent's address
     (refused, no socket): an agent still starting if the system has just booted, else an agent that is down."""
 

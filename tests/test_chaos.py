@@ -122,7 +122,7 @@ def test_a_retry_occurrence_lost_while_consul_served_no_client_past_the_start_bu
     unavailable cluster from a node that could have run it; shorter or partial spans are still violations."""
     from bench.chaos.report import totals
 
-    exits = [{"t": T0 + 3.5, "ev": "exit", "node": n, "job": "r", "sched": OCC[0], "status": 69}
+    exits = [{"t": T0 + 3.5, "ev": "exit", "node": n, "job": "r", "sched": OCC[0], "status": 69, "ran": 3.3}
              for n in ("c1", "c2", "c3")]
     history = sorted([*_fires("r", 0), *exits], key=lambda line: line["t"])
 

@@ -9,10 +9,11 @@ faults, one holder running an occurrence more often than its `retries.attempts`
 allow (1 without retries), a chained job's run without its parent's end or twice for one parent run
 (chains.py), wrapper exit statuses, fencing latency (fault start -> the holder's
 job dead) and takeover latency (holder's job dead -> a standby's job start) as
-percentiles, and Raft writes per occurrence. A `retry` occurrence lost while no
-client's agent could serve a consistent read (probe.py) for longer than the
-wrappers' start budget is counted apart: the guarantee is at least once while
-a node can reach Consul. Heartbeats come every 100 ms, so
+percentiles, and Raft writes per occurrence. A `retry` occurrence lost because
+every wrapper on a fault-free node gave up with 69 while no client's agent
+could serve a consistent read (probe.py) for as long as it tried (at most the
+start budget) is counted apart: the guarantee is at least once while a node
+can reach Consul. Heartbeats come every 100 ms, so
 "dead" times are late by at most 0.1 s. What follows a snapshot restore (an
 occurrence started again, an overlap, a retry occurrence not completed) is
 counted apart: the guarantees state it, so it is no violation.
@@ -392,7 +393,7 @@ class _Job:
             item["no_client_served_s"] = round(_longest_all_down(sick, self.unserved, self.clients, window), 1)
             if not healthy:
                 lost_no_healthy.append(item)
-            elif item["no_client_served_s"] >= budget - 2 * PERIOD_S:
+            elif self._gave_up_unserved(occ, sick, budget):
                 lost_unserved.append(item)
             elif attempts_killed[occ] >= 2:  # the condition allows for one holder death per occurrence
                 lost_repeated.append(item)
@@ -405,6 +406,24 @@ class _Job:
         self.entry["lost_around_a_restore"] = lost_after_restore
         if self.spec.get("condition_holds"):
             self.violations += [{"kind": "lost under retry", "job": self.name, **item} for item in lost]
+
+    def _gave_up_unserved(self, occ: str, sick: list[Fault], budget: float) -> bool:
+        """Every wrapper of `occ` on a fault-free node exited 69 after trying the whole time Consul served no
+        client: from its fire to its exit, an all-down span as long as its attempt (at most the start budget),
+        less the probe's resolution. A wrapper that gave up early, exited otherwise, or tried while a client was
+        served is no excuse."""
+        faulted = {f.node for f in sick}
+        judged = [e for e in self.fires if e.get("sched") == occ and e["ev"] == "exit" and e["node"] not in faulted]
+        if not judged or any(e.get("status") != 69 for e in judged):
+            return False
+        for exit_ in judged:
+            ran = float(exit_.get("ran") or 0.0)
+            if ran <= 0:  # how long it tried is unknown
+                return False
+            window = (exit_["t"] - ran, exit_["t"])
+            if _longest_all_down(sick, self.unserved, self.clients, window) < min(ran, budget) - 2 * PERIOD_S:
+                return False
+        return True
 
     def _restored_between(self, t0: float, t1: float) -> bool:
         """A snapshot restore began in [t0 - HOLDER_SEEN_S, t1]: what ran before it may run again after it."""

@@ -210,15 +210,17 @@ class ConsulAnswer(Exception):
 
 
 @contextmanager
-def translated(what: str) -> Iterator[None]:
-    """Turn transport and API failures into consulrun errors naming `what` was being done."""
+def translated(what: str, read_only: bool = False) -> Iterator[None]:
+    """Turn transport and API failures into consulrun errors naming `what` was being done. No answer in time
+    is transient only for a read (`read_only`): a write the agent still holds may be applied after the caller
+    has looked and given up, so retrying it could meet its own claim as someone else's."""
     try:
         yield
     except OSError as exc:
         if _tls_failure(exc):
             raise ConsulUnavailable(f"{what}: TLS failure talking to Consul: {_short(exc)}") from None
-        if isinstance(exc, TimeoutError):  # an agent holds a request while the servers elect: worth retrying
-            raise ConsulUnavailable(f"{what}: Consul agent did not answer in time", transient=True) from None
+        if isinstance(exc, TimeoutError):  # an agent holds a request while the servers elect: a read may retry
+            raise ConsulUnavailable(f"{what}: Consul agent did not answer in time", transient=read_only) from None
         raise ConsulUnavailable(f"{what}: Consul agent not reachable: {_reason(exc)}",
                                 not_listening=_not_listening(exc)) from None
     except ConsulAnswer as exc:
@@ -372,8 +374,8 @@ class Client:
         self.address = f"unix://{self._socket_path}" if self._socket_path else f"{scheme}://{host}:{port}"
         self.label = label
 
-    def _translated(self, what: str) -> Any:
-        return translated(f"{what} via {self.address}")
+    def _translated(self, what: str, read_only: bool = False) -> Any:
+        return translated(f"{what} via {self.address}", read_only)
 
     def _connection(self, timeout: float) -> transport.Connection:
         conn: transport.Connection | None = getattr(self._local, "conn", None)
@@ -439,28 +441,28 @@ class Client:
 
     def node_identity(self) -> tuple[str, dict[str, str]]:
         """The local agent's node name and node meta: one read the agent answers itself."""
-        with self._translated("reading the local agent's node name"):
+        with self._translated("reading the local agent's node name", read_only=True):
             answer = self._json("GET", "/v1/agent/self")[1]
             return answer["Config"]["NodeName"], {str(k): str(v) for k, v in (answer.get("Meta") or {}).items()}
 
     def node_metas(self) -> tuple[dict[str, dict[str, str]], bool]:
         """Every catalog node's meta by node name (a stale read: any server answers, no leader needed), and whether
         the token's ACLs hid some nodes."""
-        with self._translated("listing the catalog's nodes"):
+        with self._translated("listing the catalog's nodes", read_only=True):
             code, headers, text = self._call("GET", "/v1/catalog/nodes", [("stale", "")])
             return ({n["Node"]: {str(k): str(v) for k, v in (n.get("Meta") or {}).items()} for n in json.loads(text)},
                     _acl_filtered(headers))
 
     def failing_nodes(self) -> set[str]:
         """The nodes whose serfHealth check is critical (their agent is gone or unreachable), by a stale read."""
-        with self._translated("listing the critical checks"):
+        with self._translated("listing the critical checks", read_only=True):
             checks = self._json("GET", "/v1/health/state/critical", [("stale", "")])[1] or []
             return {c["Node"] for c in checks if c.get("CheckID") == "serfHealth"}
 
     def alive_members(self) -> tuple[list[tuple[str, bool]], bool]:
         """The members the local agent's gossip sees alive, as (name, is a server), and whether the ACL token hid
         some (Consul drops them from the list silently): the agent's own view, answered without a server or Raft."""
-        with self._translated("listing the cluster's members"):
+        with self._translated("listing the cluster's members", read_only=True):
             code, headers, text = self._call("GET", "/v1/agent/members")
             members = json.loads(text) if code != 404 else []
             return ([(m["Name"], (m.get("Tags") or {}).get("role") == "consul") for m in members
@@ -468,7 +470,7 @@ class Client:
 
     def check_kinds(self) -> dict[str, str]:
         """Check ID -> service ID ('' for node checks) of the local agent's checks."""
-        with self._translated("listing the local agent's checks"):
+        with self._translated("listing the local agent's checks", read_only=True):
             return {cid: c.get("ServiceID", "") for cid, c in self._json("GET", "/v1/agent/checks")[1].items()}
 
     def kv_get(self, key: str, *, index: int | None = None, wait_s: float | None = None,
@@ -478,7 +480,7 @@ class Client:
             params.append(("recurse", "1"))
         if consistent:
             params.append(("consistent", "1"))
-        with self._translated(f"reading {key}"):
+        with self._translated(f"reading {key}", read_only=True):
             idx, entries = self._json("GET", f"/v1/kv/{key}", params, wait_s=blocking)
             if entries is not None and not (isinstance(entries, list) and all(
                     isinstance(e, dict) and isinstance(e.get("Key"), str) for e in entries)):
@@ -533,7 +535,7 @@ class Client:
     def read_trees(self, prefixes: list[str], consistent: bool = False) -> dict[str, dict[str, Any]]:
         """Every key under each of `prefixes`, read in one read-only transaction (no Raft write): one snapshot."""
         ops = [{"KV": {"Verb": "get-tree", "Key": prefix}} for prefix in prefixes]
-        with self._translated("reading " + ", ".join(prefixes)):
+        with self._translated("reading " + ", ".join(prefixes), read_only=True):
             _, found = self._json("PUT", "/v1/txn", [("consistent", "")] if consistent else None, json.dumps(ops))
             entries = [r["KV"] for r in found.get("Results") or [] if r.get("KV")]
             for entry in entries:
@@ -561,7 +563,7 @@ class Client:
             self._call("PUT", f"/v1/session/destroy/{session}", allow_404=False)
 
     def session_info(self, session: str) -> dict[str, Any] | None:
-        with self._translated("reading a session"):
+        with self._translated("reading a session", read_only=True):
             found = self._json("GET", f"/v1/session/info/{session}")[1]
             return found[0] if found else None
 
@@ -578,7 +580,7 @@ class Client:
 
     def _visible(self, what: str, path: str, params: list[tuple[str, Any]],
                  wait_s: float | None = None) -> tuple[int, Any]:
-        with self._translated(what):
+        with self._translated(what, read_only=True):
             code, headers, text = self._call("GET", path, params, wait_s=wait_s)
             if _acl_filtered(headers):
                 raise ConsulAnswer(403, f"the token cannot read all of it ({ACL_FILTERED_HEADER})")
@@ -621,7 +623,7 @@ class Client:
         what is hidden matters, with `hidden_checks_refused`.
         """
         what = f"reading the health of node {node}"
-        with self._translated(what):
+        with self._translated(what, read_only=True):
             code, headers, text = self._call("GET", f"/v1/health/node/{node}")
             return (json.loads(text) if code != 404 else None) or [], _acl_filtered(headers)
 

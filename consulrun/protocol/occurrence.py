@@ -419,6 +419,16 @@ def acquire(locker: Locker, ledger: Ledger, occ: Occurrence, policy: str, wait_s
             return result
 
 
+class _Superseded(Exception):
+    """Raised while a first claim is built: the next occurrence is already due."""
+
+
+def _next_due(occ: Occurrence, look: dict[str, Any]) -> bool:
+    """Whether the occurrence after `occ` is due by the cluster's clock (ours less the lead found, `offset`)."""
+    return occ.next_when is not None and \
+        (occ.next_when - datetime.now(timezone.utc)).total_seconds() + look["offset"] <= 0
+
+
 def _bounds(look: dict[str, Any], policy: str, deadline: float) -> float:
     """Set the occurrence's own bound in `look` and return the deadline: lock-delay is waited out until a second
     before the next occurrence is due by the cluster's clock (a claim then would hold the lock when the next one's
@@ -553,11 +563,20 @@ def _step(locker: Locker, ledger: Ledger, occ: Occurrence, policy: str, deadline
         takeover = state in ("failed", "dead")
 
         def claim(value: dict[str, Any]) -> list[dict[str, Any]]:
+            # Built once the session exists, just before the claim is sent: a first claim after the next
+            # occurrence is due (a slow agent, the start's retries) would hold the lock when the next one's
+            # nodes look, and make them skip it. That one is given up, not claimed.
+            if state == "free" and not look["raced"] and _next_due(occ, look):
+                raise _Superseded
             ops, claimed["record"] = ledger.claim_ops(occ, snap, value, takeover=takeover)
             return ops
 
         testhook.pause("before-claim")
-        held = locker.try_once({ledger.lock_key: snap.lock} if snap.lock else {}, claim=claim)
+        try:
+            held = locker.try_once({ledger.lock_key: snap.lock} if snap.lock else {}, claim=claim)
+        except _Superseded:
+            return None, None, (f"occurrence {occ.id} is past: the next one ({calendar.occurrence_id(occ.next_when)})"
+                                " is already due" + _skew(locker, ledger, snap))
         if held:
             return held, claimed["record"], ""
         look["raced"] = True

@@ -285,7 +285,7 @@ def _not_ready_yet(exc: ConsulUnavailable) -> str:
     """Why `exc` at start may be Consul not ready yet rather than an outage ('' if it is an outage): servers
     electing a leader or an agent that has just started (its node not yet registered) answer so, and nothing
     listens yet at the address of an agent still starting, which it can be only while the system boots."""
-    if exc.transient:  # an agent holds a request while its servers elect a leader: a timeout is one too
+    if exc.transient:  # an agent holds a request while its servers elect a leader: a read's timeout is one too
         return "an agent still starting or servers electing a leader answer so"
     if exc.not_listening:
         from consulrun.protocol.procinfo import system_age
@@ -367,13 +367,13 @@ def _acquire_with_retries(request: RunRequest, locker: Locker) -> tuple[Held | N
             return held, ledger, claim, why
         except ConsulUnavailable as exc:
             why = _not_ready_yet(exc)
-            if not why or clock() + backoff > give_up:
+            if not why or clock() >= give_up:
                 raise
             if backoff == 0.25:  # one line: what is waited for, and how long at most
                 log.warning("%s: Consul is not ready (%s); retrying for up to %s, as %s (exit 69 if it is not "
                             "ready by then)", spec.job, exc, duration(give_up - clock()), why)
             locker.abandon()
-            time.sleep(backoff)
+            time.sleep(min(backoff, max(0.0, give_up - clock())))  # the last look at the budget's end, not before
             backoff = min(backoff * 2, 4.0)
 
 
