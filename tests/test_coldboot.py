@@ -126,6 +126,17 @@ def _settled(ctr: Container, unit: str) -> bool:
         values.get("ActiveState") in ("inactive", "failed")
 
 
+def _keep_journals(request: pytest.FixtureRequest, ctrs: list[Container], unit: str, agent: str) -> Path:
+    """Each node's journal of `unit` and its agent's units, this boot, into the test's artifacts (what the
+    assertions after it read); the artifacts' directory."""
+    dest = artifact_dir(request.node)
+    dest.mkdir(parents=True, exist_ok=True)
+    for ctr in ctrs:
+        log = ctr.exec("journalctl", "--no-pager", "-b", "-u", unit, "-u", agent, check=False)
+        (dest / f"{ctr.name}.journal").write_text(log.stdout + log.stderr)
+    return dest
+
+
 def test_cold_boot_of_every_node_runs_the_missed_occurrence_once(cluster, consul_bin: str,
                                                                   request: pytest.FixtureRequest) -> None:
     nodes, _ = cluster
@@ -157,11 +168,7 @@ def test_cold_boot_of_every_node_runs_the_missed_occurrence_once(cluster, consul
         wait_for(lambda: _history(nodes[0], consul_bin, "nightly").get(occurrence, {}).get("state") == "done", 60,
                  f"occurrence {occurrence} to be recorded done", interval=1)
     finally:
-        dest = artifact_dir(request.node)
-        dest.mkdir(parents=True, exist_ok=True)
-        for ctr in nodes:
-            journal = ctr.exec("journalctl", "--no-pager", "-b", "-u", unit, "-u", "consul*", check=False)
-            (dest / f"{ctr.name}.journal").write_text(journal.stdout + journal.stderr)
+        dest = _keep_journals(request, nodes, unit, "consul*")
         (dest / "runs.txt").write_text("\n".join(" ".join(r) for r in runs()))
     assert [occ for occ, _ in runs()] == [occurrence], runs()  # exactly once, on one node
     journals = [(artifact_dir(request.node) / f"{ctr.name}.journal").read_text() for ctr in nodes]
@@ -223,11 +230,7 @@ def test_an_agent_sigkilled_and_restarted_by_systemd_takes_its_running_job_with_
         holder.systemctl("kill", "-s", "KILL", "consul.service")
         wait_for(lambda: "end" in marks(other), 180, "the other client to run the occurrence to its end", interval=1)
     finally:
-        dest = artifact_dir(request.node)
-        dest.mkdir(parents=True, exist_ok=True)
-        for ctr in clients:
-            log = ctr.exec("journalctl", "--no-pager", "-b", "-u", unit, "-u", "consul.service", check=False)
-            (dest / f"{ctr.name}.journal").write_text(log.stdout + log.stderr)
+        _keep_journals(request, clients, unit, "consul.service")
     assert int(holder.systemctl("show", "-P", "NRestarts", "consul.service").stdout.strip()) >= 1  # systemd did
     assert holder.systemctl("show", "-P", "ExecMainStatus", unit).stdout.strip() == "75"
     said = journal(holder, unit)
