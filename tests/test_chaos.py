@@ -64,6 +64,15 @@ def _fires(job: str, occ_index: int) -> list[dict]:
             for n in ("c1", "c2", "c3")]
 
 
+def _probes(down_from: float, down_to: float, nodes: tuple[str, ...] = ("c1", "c2", "c3")) -> list[dict]:
+    """probes.log: every client served from T0 - 1; `nodes` not served from `down_from` until `down_to`."""
+    lines = [{"t": T0 - 1, "ev": "probe", "node": n, "served": True, "why": "404"} for n in ("c1", "c2", "c3")]
+    lines += [{"t": down_from, "ev": "probe", "node": n, "served": False, "why": "500 No cluster leader"}
+              for n in nodes]
+    lines += [{"t": down_to, "ev": "probe", "node": n, "served": True, "why": "404"} for n in nodes]
+    return sorted(lines, key=lambda line: line["t"])
+
+
 def test_checker_passes_a_clean_history(tmp_path: Path) -> None:
     history = [*_fires("s", 0), *_fires("r", 0), *_run("s", "c1", 100, OCC[0], 10, T0 + 0.5, 10),
                *_run("r", "c2", 200, OCC[0], 11, T0 + 0.6, 10)]
@@ -126,15 +135,8 @@ def test_a_retry_occurrence_lost_while_consul_served_no_client_past_the_start_bu
              for n in ("c1", "c2", "c3")]
     history = sorted([*_fires("r", 0), *exits], key=lambda line: line["t"])
 
-    def probes(nodes: tuple[str, ...], down_s: float) -> list[dict]:
-        lines = [{"t": T0 - 1, "ev": "probe", "node": n, "served": True, "why": "404"} for n in ("c1", "c2", "c3")]
-        lines += [{"t": T0 + 0.2, "ev": "probe", "node": n, "served": False, "why": "500 No cluster leader"}
-                  for n in nodes]
-        lines += [{"t": T0 + 0.2 + down_s, "ev": "probe", "node": n, "served": True, "why": "404"} for n in nodes]
-        return sorted(lines, key=lambda line: line["t"])
-
     # The wrappers' start budget for a 5 s interval is 2.5 s.
-    unavailable = _write(tmp_path / "all", history, [], probes=probes(("c1", "c2", "c3"), 4.0))
+    unavailable = _write(tmp_path / "all", history, [], probes=_probes(T0 + 0.2, T0 + 4.2))
     assert unavailable["violations"] == []
     job = unavailable["jobs"]["r"]
     assert job["lost_with_healthy_node"] == []
@@ -144,9 +146,22 @@ def test_a_retry_occurrence_lost_while_consul_served_no_client_past_the_start_bu
     assert "| 0 (+1 while Consul served no client) |" in row
     for name, nodes, down_s in (("short", ("c1", "c2", "c3"), 1.0), ("partial", ("c1", "c2"), 4.0),
                                 ("unprobed", (), 0.0)):
-        report = _write(tmp_path / name, history, [], probes=probes(nodes, down_s) if nodes else None)
+        probes = _probes(T0 + 0.2, T0 + 0.2 + down_s, nodes) if nodes else None
+        report = _write(tmp_path / name, history, [], probes=probes)
         assert [v["kind"] for v in report["violations"]] == ["lost under retry"], name
         assert report["jobs"]["r"]["lost_while_no_client_served"] == [], name
+
+
+def test_an_outage_after_every_wrapper_gave_up_does_not_excuse_a_lost_retry_occurrence(tmp_path: Path) -> None:
+    """Every wrapper fired at T0 and exited 0 at T0 + 0.3 having run nothing (a consulrun bug: Consul served
+    every client then); Consul then served no client from T0 + 3 to T0 + 5, after every wrapper's start budget
+    (2.5 s for a 5 s interval) had ended. The outage cannot have lost the occurrence: it is a violation."""
+    exits = [{"t": T0 + 0.3, "ev": "exit", "node": n, "job": "r", "sched": OCC[0], "status": 0}
+             for n in ("c1", "c2", "c3")]
+    history = sorted([*_fires("r", 0), *exits], key=lambda line: line["t"])
+    report = _write(tmp_path, history, [], probes=_probes(T0 + 3.0, T0 + 5.0))
+    assert report["jobs"]["r"]["lost_while_no_client_served"] == [], report["jobs"]["r"]
+    assert [v["kind"] for v in report["violations"]] == ["lost under retry"]
 
 
 def test_the_totals_count_retry_jobs_apart_where_their_condition_does_not_hold(tmp_path: Path) -> None:

@@ -472,30 +472,36 @@ class _Job:
 
 
 def _some_node_healthy_throughout(sick: list[Fault], clients: list[str], window: tuple[float, float]) -> bool:
-    """True if at no instant of `window` every client node had a fault (sampled every 0.1 s)."""
-    t = window[0]
-    while t <= window[1]:
-        down = {f.node for f in sick if f.start <= t <= f.end + RECOVERY_S}
-        if len(down) >= len(clients):
-            return False
-        t += 0.1
-    return True
+    """True if at no instant of `window` every client node had a fault."""
+    return not _all_down_spans(sick, {}, clients, window)
 
 
 def _longest_all_down(sick: list[Fault], unserved: dict[str, list[tuple[float, float]]], clients: list[str],
                       window: tuple[float, float]) -> float:
-    """The longest span of `window` in which every client had a fault or a failing probe (sampled every 0.1 s)."""
-    longest, since, t = 0.0, None, window[0]
+    """The longest span of `window` in which every client had a fault or a failing probe."""
+    return max((end - start for start, end in _all_down_spans(sick, unserved, clients, window)), default=0.0)
+
+
+def _all_down_spans(sick: list[Fault], unserved: dict[str, list[tuple[float, float]]], clients: list[str],
+                    window: tuple[float, float]) -> list[tuple[float, float]]:
+    """The spans of `window` (first and last sample, every 0.1 s) in which every client had a fault (until its
+    recovery, and RECOVERY_S more) or a failing probe; a single all-down sample is a span of length 0."""
+    spans: list[tuple[float, float]] = []
+    since: float | None = None
+    t = window[0]
     while t <= window[1]:
         down = {f.node for f in sick if f.start <= t <= f.end + RECOVERY_S}
-        down |= {node for node, spans in unserved.items() if any(a <= t <= b for a, b in spans)}
-        if len(down & set(clients)) >= len(clients):
+        down |= {node for node, gaps in unserved.items() if any(a <= t <= b for a, b in gaps)}
+        if down >= set(clients):
             since = t if since is None else since
-            longest = max(longest, t - since)
+            if spans and spans[-1][0] == since:
+                spans[-1] = (since, t)
+            else:
+                spans.append((since, t))
         else:
             since = None
         t += 0.1
-    return longest
+    return spans
 
 
 def _epoch(occ: str) -> float:

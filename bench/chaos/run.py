@@ -65,6 +65,10 @@ def condition_holds(job: JobSpec, lock: LockSettings) -> bool:
     return job.policy == "retry" and not job.after and job.interval_s() > worst
 
 
+# What a run writes into its output directory (a run there before is removed first); agents/ apart.
+OUTPUTS = ("history.log", "nemesis.log", "probes.log", "run.json", "report.json", "report.md")
+
+
 def arguments(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m bench.chaos", description=__doc__.splitlines()[0])
     parser.add_argument("--duration", default="10m", help="how long timers fire (e.g. 3m, 90s); then the run drains")
@@ -136,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     out: Path = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
-    for name in ("history.log", "nemesis.log", "probes.log", "run.json", "report.json", "report.md"):
+    for name in OUTPUTS:
         (out / name).unlink(missing_ok=True)
     lock = LockSettings(ttl_s=args.ttl, lock_delay_s=args.lock_delay)
     binary = consul_binary()

@@ -24,7 +24,7 @@ from bench.chaos.logs import AppendLog
 from bench.chaos.nemesis import Nemesis
 from bench.chaos.probe import Prober
 from bench.chaos.nodes import NodeFleet, SystemdCluster, boot, boot_nodes
-from bench.chaos.run import SUBNET, _on_signal, _say, _Stop, condition_holds, judge, watch_nemesis
+from bench.chaos.run import OUTPUTS, SUBNET, _on_signal, _say, _Stop, condition_holds, judge, watch_nemesis
 from bench.chaos.timers import LockSettings
 from tests.harness.agents import consul_binary, wait_for
 from tests.harness.bigcluster import start_big_cluster
@@ -44,7 +44,7 @@ def main_systemd(args: argparse.Namespace, argv: list[str] | None) -> int:
         return 2
     out: Path = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
-    for name in ("history.log", "nemesis.log", "probes.log", "run.json", "report.json", "report.md"):
+    for name in OUTPUTS:
         (out / name).unlink(missing_ok=True)
     (out / "history.log").touch()
     # RandomizedDelaySec= is max_delay - AccuracySec= (1 s): a timer elapses up to both after its time.

@@ -423,18 +423,23 @@ class _Superseded(Exception):
     """Raised while a first claim is built: the next occurrence is already due."""
 
 
+def _until_next(occ: Occurrence, look: dict[str, Any]) -> float | None:
+    """Seconds until the occurrence after `occ` is due by the cluster's clock (ours less the lead found,
+    `offset`); None if there is none."""
+    return (occ.next_when - datetime.now(timezone.utc)).total_seconds() + look["offset"] if occ.next_when else None
+
+
 def _next_due(occ: Occurrence, look: dict[str, Any]) -> bool:
-    """Whether the occurrence after `occ` is due by the cluster's clock (ours less the lead found, `offset`)."""
-    return occ.next_when is not None and \
-        (occ.next_when - datetime.now(timezone.utc)).total_seconds() + look["offset"] <= 0
+    """Whether the occurrence after `occ` is already due by the cluster's clock."""
+    left = _until_next(occ, look)
+    return left is not None and left <= 0
 
 
 def _bounds(look: dict[str, Any], policy: str, deadline: float) -> float:
     """Set the occurrence's own bound in `look` and return the deadline: lock-delay is waited out until a second
     before the next occurrence is due by the cluster's clock (a claim then would hold the lock when the next one's
     nodes look, and make them skip it), never past it; a `retry` standby stands by until it is due."""
-    occ = look["occ"]
-    left = (occ.next_when - datetime.now(timezone.utc)).total_seconds() + look["offset"] if occ.next_when else None
+    left = _until_next(look["occ"], look)
     look["bound"] = clock() + left - LAST_CLAIM_BEFORE_NEXT_S if left is not None else deadline
     return max(deadline, look["bound"] + LAST_CLAIM_BEFORE_NEXT_S) if policy == "retry" and left is not None \
         else deadline

@@ -356,8 +356,8 @@ def judge_job(name: str, keys: dict[str, dict[str, Any]], manifest: Manifest | N
         _judge_record(status, record, expect, now)
         lead = clockskew.ahead_of_us(record, now)
         if lead and not any(p["kind"] == "future" for p in status.problems):  # beyond the allowed skew: said
-            status.problem("skew", clockskew.note(record, lead), node=clockskew.writer(record), ahead_s=clockskew.reported(lead),
-                           occurrence=record.get("occurrence"))
+            status.problem("skew", clockskew.note(record, lead), node=clockskew.writer(record),
+                           ahead_s=clockskew.reported(lead), occurrence=record.get("occurrence"))
     if each_node:
         eachnode.judge(status, keys, expect.schedules if expect else (), expect.lag_s if expect else None, now, record)
     _clock_findings(status, keys, now)
