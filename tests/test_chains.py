@@ -554,13 +554,11 @@ def test_real_timers_run_the_parent_and_the_watcher_unit_runs_the_child_once_for
         assert ctr.systemctl("cat", "consulrun-report.timer", check=False).returncode != 0  # no timer for it
         wait_for(lambda: log.exists() and log.read_text().count("report feed") >= 2, 60, "two chained runs")
         ctr.systemctl("stop", "consulrun-feed.timer")
-        wait_for(lambda: ctr.systemctl("is-active", "consulrun-feed.service", check=False).stdout.strip()
-                 != "active", 30, "the last feed run to end")
+        wait_for(lambda: ctr.ended("consulrun-feed.service"), 30, "the last feed run to end")
 
         def settled() -> bool:
             pending = ctr.exec(consul_bin, "kv", "get", "-recurse", "consulrun/report/after/", check=False).stdout
-            return not pending.strip() and ctr.systemctl("is-active", "consulrun-report.service",
-                                                         check=False).stdout.strip() != "active"
+            return not pending.strip() and ctr.ended("consulrun-report.service")
 
         wait_for(settled, 60, "every request to be consumed")
         lines = [line.split() for line in log.read_text().splitlines()]

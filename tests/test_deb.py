@@ -154,8 +154,10 @@ def test_installed_package_runs_a_timer_job_under_the_lock_and_removal_disarms_i
     # the byte code shipped was ever in them (no run wrote there).
     if f"left {LIVE}/{RELEASE}: a process still runs from it" in removed.stderr:
         assert node.exec("ls", "-A", LIVE).stdout.split() == [RELEASE]
-        wait_for(lambda: node.systemctl("is-active", "consulrun-tick.service", check=False).stdout.strip()
-                 != "active", 30, "the last tick to finish")
+        # Ended, not just no longer `active`: a oneshot's run is `activating` until its end (and `deactivating`
+        # while its reap runs), so `is-active` is never `active` for it. The tree left serves the run to its end.
+        wait_for(lambda: node.ended("consulrun-tick.service"), 30, "the last tick to finish")
+        assert node.systemctl("show", "-P", "Result", "consulrun-tick.service").stdout.strip() == "success"
         node.exec("rm", "-rf", LIVE)
     assert node.exec("test", "-e", LIVE, check=False).returncode == 1, removed.stderr
     assert node.systemctl("is-enabled", "consulrun-tick.timer", check=False).stdout.strip() == "disabled"
@@ -218,9 +220,7 @@ def test_upgrade_under_running_timers_swaps_trees_and_the_running_job_finishes(n
     assert node.exec(f"{LIVE}/{RELEASE}/bin/python", "-c", "import consulrun.protocol.runner, consulrun.report.status",
                      check=False).returncode == 0
     wait_for(lambda: f"{LIVE}/{NEXT}/bin/python" in tock.read_text(), 60, "a run of tock from the new tree")
-    wait_for(lambda: node.systemctl("is-active", "consulrun-long.service", check=False).stdout.strip() != "active"
-             and node.systemctl("show", "-P", "ActiveState", "consulrun-long.service").stdout.strip() == "inactive",
-             60, "the long job to finish")
+    wait_for(lambda: node.ended("consulrun-long.service"), 60, "the long job to finish")
     assert node.systemctl("show", "-P", "Result", "consulrun-long.service").stdout.strip() == "success"
     assert f"{LIVE}/{RELEASE}/bin/python" in long_runs.read_text()  # it ran from the old tree, to its end
     runs = json.loads(node.exec(PACKAGED, "history", "/shared/up.yaml", "long", "--json").stdout)["runs"]

@@ -171,8 +171,7 @@ def test_on_failure_fires_once_after_the_last_attempt_and_not_for_a_retried_one(
     assert (facts["CONSULRUN_RESULT"], facts["CONSULRUN_EXIT_STATUS"]) == ("exit-code", "3")
     last = "attempt 3 of 3 failed (exit status 3); no retry: it was the last of 3 attempts"
     assert last in facts["CONSULRUN_JOURNAL"], facts["CONSULRUN_JOURNAL"]
-    wait_for(lambda: node.systemctl("is-active", "consulrun-onfailure@doomed.service",
-                                    check=False).stdout.strip() != "active", 60, "the handler to end")
+    wait_for(lambda: node.ended("consulrun-onfailure@doomed.service"), 60, "the handler to end")
     assert _journal(node, "consulrun-onfailure@doomed.service").count("running the on_failure command") == 1
 
     assert node.systemctl("start", "consulrun-flaky.service").returncode == 0
@@ -201,8 +200,7 @@ def _handled(node: Container, count: int) -> None:
         return sum(1 for line in out.splitlines() if "running the on_failure command" in line
                    or "not running the on_failure command again" in line)
 
-    wait_for(lambda: ends() >= count and node.systemctl("is-active", "consulrun-onfailure@outage.service",
-                                                        check=False).stdout.strip() != "active", 60,
+    wait_for(lambda: ends() >= count and node.ended("consulrun-onfailure@outage.service"), 60,
              f"{count} ends of the outage handler")
 
 

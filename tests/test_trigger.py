@@ -146,8 +146,7 @@ def test_trigger_runs_once_through_the_unit_beside_its_timer(systemd_container, 
         assert "trigjob: manual run on trignode" in result.stdout and "exit status 0" in result.stdout
         wait_for(lambda: log.read_text().count("start") >= 3, 30, "more timer runs after the manual one")
         ctr.systemctl("stop", "consulrun-trigjob.timer")
-        wait_for(lambda: ctr.systemctl("is-active", "consulrun-trigjob.service", check=False).stdout.strip()
-                 != "active", 30, "the last run to end")
+        wait_for(lambda: ctr.ended("consulrun-trigjob.service"), 30, "the last run to end")
         lines = [line.split() for line in log.read_text().splitlines()]
         manual = [line for line in lines if line[0] == "start" and line[2] != "timer"]
         assert len(manual) == 1 and manual[0][2].startswith("root@")
@@ -254,8 +253,7 @@ def test_trigger_among_three_nodes_runs_once_as_manual(three_timers, consul_bin:
         for ctr in nodes:
             ctr.systemctl("stop", f"consulrun-{job}.timer", check=False)
         for ctr in nodes:
-            wait_for(lambda: ctr.systemctl("is-active", f"consulrun-{job}.service", check=False).stdout.strip()
-                     not in ("active", "activating", "deactivating"), 60, "the last run to end")
+            wait_for(lambda: ctr.ended(f"consulrun-{job}.service"), 60, "the last run to end")
         artifact_dir(request.node).mkdir(parents=True, exist_ok=True)
         (artifact_dir(request.node) / "runs.txt").write_text("\n".join(" ".join(x) for x in lines()))
 

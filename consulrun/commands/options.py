@@ -123,8 +123,8 @@ manifest_name_option = click.option(
 
 CONSUL_OPTIONS = [
     click.option("--http-addr", envvar="CONSUL_HTTP_ADDR", show_envvar=True, metavar="ADDRESS",
-                 help="Address of the local Consul agent: [http[s]://]HOST[:PORT], an IPv6 HOST in brackets "
-                      "[default: 127.0.0.1:8500]."),
+                 help="Address of the local Consul agent: [http[s]://]HOST[:PORT], an IPv6 HOST in brackets, or "
+                      "unix:///PATH of its socket [default: 127.0.0.1:8500]."),
     click.option("--token-file", envvar="CONSUL_HTTP_TOKEN_FILE", show_envvar=True, metavar="FILE",
                  help="File holding the ACL token; a token in it wins over CONSUL_HTTP_TOKEN, as in the consul CLI "
                       "(no option puts a token on the command line)."),

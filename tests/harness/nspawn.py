@@ -116,6 +116,13 @@ class Container:
     def systemctl(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
         return self.exec("systemctl", *args, check=check)
 
+    def ended(self, unit: str) -> bool:
+        """Whether `unit` has no run under way and none queued. Not `is-active != active`: a oneshot is
+        `activating` for its whole run and `deactivating` while its ExecStopPost= runs, never `active`."""
+        if self.systemctl("show", "-P", "ActiveState", unit).stdout.strip() not in ("inactive", "failed"):
+            return False
+        return not self.systemctl("list-jobs", "--no-legend", "--plain", unit).stdout.strip()
+
     def spawn(self, *cmd: str, log: Path) -> subprocess.Popen[bytes]:
         """Start a long-running process inside the container (e.g. its Consul agent); stop it by PID."""
         assert self.pid1 is not None, "container not started"
