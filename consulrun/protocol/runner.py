@@ -489,7 +489,9 @@ def _run_held(request: RunRequest, locker: Locker, held: Held, fencing: Fencing,
             # (stops.py); one that came while leftovers were stopped, after the job exited, leaves its status.
             if not lost and not (limit and limit.expired) and \
                     (signals.reached_job() or status in [128 + sig for sig in STOP_SIGNALS]):
-                lost = _stopped_not_a_result(spec.job, status)
+                # systemd is given half of what the stop leaves for recording the result (_close's budget).
+                asked_by = (signals.first_at or clock()) + (fencing.kill_by_s - fencing.grace_s) / 2
+                lost = _stopped_not_a_result(spec.job, status, asked_by - clock())
             outcome = {"exit_status": status, "ended": _now(), **({"lost": lost} if lost else {}),
                        **({"timed_out": True} if limit and limit.expired else {}),
                        **({"started": started} if before is not None else {})}
@@ -542,12 +544,13 @@ def _run_held(request: RunRequest, locker: Locker, held: Held, fencing: Fencing,
         pings.finish(outcome)  # last: a slow monitor never delays killing the job or releasing the lock
 
 
-def _stopped_not_a_result(name: str, status: int) -> str | None:
+def _stopped_not_a_result(name: str, status: int, within_s: float) -> str | None:
     """After a stop that reached the job: why it is not the run's result (then the run is recorded lost, and a
-    `retry` occurrence goes to another node), or None if it is (stops.py says which are)."""
+    `retry` occurrence goes to another node), or None if it is (stops.py says which are); systemd is asked for
+    at most `within_s`."""
     from consulrun.protocol.stops import not_a_result
 
-    why = not_a_result()
+    why = not_a_result(within_s=within_s)
     if why:
         log.warning("%s: the job was stopped (status %d): %s; this is not its result: the run is recorded lost, "
                     "not done", name, status, why)

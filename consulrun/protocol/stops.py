@@ -15,7 +15,12 @@ A termination signal that reached a running job is one of:
 Only systemd knows which, so it is asked (`systemctl show`), and only on this
 path: a run that ends by itself asks nothing. If systemd cannot be asked (no
 unit, no D-Bus for the unit's user), the stop counts as a result, as it did
-before systemd could be asked.
+before systemd could be asked. If it is asked but does not answer within the
+time the stop leaves (the unit's TimeoutStopSec= is lock-delay less a second,
+and the result must be recorded in it too), the stop is not taken as the
+result: a manager that slow is one shutting down a loaded node far more often
+than one answering an operator's stop, and under `retry` a run wrongly taken
+as lost runs again, where one wrongly taken as done is lost for good.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from __future__ import annotations
 import logging
 import signal
 
+from consulrun.protocol.lock import clock
 from consulrun.protocol.procinfo import own_unit
 from consulrun.timefmt import duration
 
@@ -77,25 +83,40 @@ class JobTimeout:
         return self.kill_at - now if not self.killed else 3600.0
 
 
-def _show(*args: str) -> dict[str, str]:
+MIN_ASK_S = 0.5  # the least time systemd is given to answer, even when the stop leaves less
+
+
+class _NoAnswer(Exception):
+    """systemd was asked and did not answer in time."""
+
+
+def _show(*args: str, timeout_s: float) -> dict[str, str]:
     import subprocess  # only a stopped run asks: a skipping one must not pay for the import
 
     try:
         out = subprocess.run(["systemctl", "show", *args], capture_output=True, text=True,
-                             timeout=SYSTEMCTL_TIMEOUT_S).stdout
+                             timeout=max(MIN_ASK_S, timeout_s)).stdout
+    except subprocess.TimeoutExpired:
+        raise _NoAnswer from None
     except (OSError, subprocess.SubprocessError):
         return {}
     return dict(line.split("=", 1) for line in out.splitlines() if "=" in line)
 
 
-def not_a_result(unit: str | None = None) -> str | None:
-    """Why the termination signal this run got is not the run's result, or None if it is (see the docstring)."""
+def not_a_result(unit: str | None = None, within_s: float = SYSTEMCTL_TIMEOUT_S) -> str | None:
+    """Why the termination signal this run got is not the run's result, or None if it is (see the docstring).
+    systemd is given `within_s` (at least MIN_ASK_S) to answer both questions."""
     unit = unit or own_unit()
     if unit is None:
         return None
-    state = _show("--property=SystemState").get("SystemState", "")
-    if state == "stopping":
-        return "the system is shutting down (a stop not aimed at the job)"
-    if _show(unit, "--property=Result").get("Result", "") == "timeout":
-        return f"{unit}'s TimeoutStartSec= backstop expired (consulrun overran it; not the job's own timeout)"
+    until = clock() + max(MIN_ASK_S, within_s)
+    try:
+        state = _show("--property=SystemState", timeout_s=until - clock()).get("SystemState", "")
+        if state == "stopping":
+            return "the system is shutting down (a stop not aimed at the job)"
+        if _show(unit, "--property=Result", timeout_s=until - clock()).get("Result", "") == "timeout":
+            return f"{unit}'s TimeoutStartSec= backstop expired (consulrun overran it; not the job's own timeout)"
+    except _NoAnswer:
+        return (f"systemd did not say within {duration(max(MIN_ASK_S, within_s))} why the job was stopped (a node "
+                "shutting down answers that late; not taken as a stop aimed at the job)")
     return None
