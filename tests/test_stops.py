@@ -146,3 +146,57 @@ def test_a_stop_systemd_cannot_explain_in_time_is_not_its_result(consul: Agent, 
     record = kv_json(consul, "consulrun/shutdown-silent/occurrence")
     assert (record["state"], record["exit_status"]) == ("lost", 143), record
     assert record["reason"].startswith("systemd did not say within"), record
+
+
+@pytest.mark.consul
+def test_a_job_that_outlived_a_hangup_and_exited_0_is_done_though_systemd_is_slow(consul: Agent, tmp_path: Path) -> None:
+    """Red team 13: a SIGHUP to the wrapper (`systemctl kill -s HUP`, a job that reopens its logs on it) reached
+    the job, which went on and exited 0 by itself. The wrapper still asked systemd why the job "was stopped",
+    for what was left of a stop budget counted from that HUP (nothing: only MIN_ASK_S), and a systemd that took
+    0.6 s to answer (a loaded node, not one shutting down) made the finished run `lost`: a `retry` standby ran it
+    again, and an `on: failure` child would run. systemd stops a unit with SIGTERM (KillSignal=, consulrun's),
+    at shutdown too, never with SIGHUP alone: only a SIGTERM can be a stop that is not the run's result."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "systemctl").write_text("#!/bin/sh\nsleep 0.6\ncase \"$*\" in *SystemState*) echo SystemState=running;;"
+                                       " *) echo Result=success;; esac\n")
+    (bin_dir / "systemctl").chmod(0o755)
+    env = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "CONSUL_HTTP_ADDR": consul.http_addr, "PYTHONPATH": str(REPO)}
+    started = tmp_path / "started"
+    wrapper = subprocess.Popen([sys.executable, "-c", SHIM, "run", "--schedule", DAILY, "--on-holder-loss", "retry",
+                                "--lock-delay", "5s", "hangup-outlived", "--", "sh", "-c",
+                                f"trap '' HUP; touch {started}; sleep 2; exit 0"],
+                               env={**os.environ, **env}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    wait_for(started.exists, 20, "the job to start")
+    wrapper.send_signal(signal.SIGHUP)
+    _, err = wrapper.communicate(timeout=60)
+    assert "SIGHUP received; forwarding it" in err and "is recorded lost" not in err, err
+    record = kv_json(consul, "consulrun/hangup-outlived/occurrence")
+    assert (record["state"], record["exit_status"]) == ("done", 0), record
+
+
+@pytest.mark.consul
+def test_a_slow_exit_and_a_slow_systemd_still_leave_the_wrapper_inside_timeoutstopsec(consul: Agent,
+                                                                                        tmp_path: Path) -> None:
+    """Red team 13: at lock-delay 5 s (TimeoutStopSec=4s) a job took 3.2 s to exit after SIGTERM; systemd then
+    answered the first question in 0.45 s and not the second. Each question got at least MIN_ASK_S, so the two
+    took 0.95 s where the line said `within 500ms`, and the wrapper ended 4.2 s after the SIGTERM: on a node,
+    systemd's SIGKILL at 4 s came first and nothing was recorded. MIN_ASK_S is for both questions together."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "systemctl").write_text("#!/bin/sh\ncase \"$*\" in *SystemState*) sleep 0.45; echo SystemState=running;;"
+                                       " *) exec sleep 30;; esac\n")
+    (bin_dir / "systemctl").chmod(0o755)
+    env = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "CONSUL_HTTP_ADDR": consul.http_addr, "PYTHONPATH": str(REPO)}
+    started = tmp_path / "started"
+    wrapper = subprocess.Popen([sys.executable, "-c", SHIM, "run", "--schedule", DAILY, "--on-holder-loss", "retry",
+                                "--lock-delay", "5s", "slow-exit", "--", "sh", "-c",
+                                f"trap 'sleep 3.2; exit 143' TERM; touch {started}; sleep 30 & wait"],
+                               env={**os.environ, **env}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    wait_for(started.exists, 20, "the job to start")
+    sent = time.monotonic()
+    wrapper.send_signal(signal.SIGTERM)
+    _, err = wrapper.communicate(timeout=60)
+    took = time.monotonic() - sent
+    assert took < 4.0, f"{took:.2f}s from SIGTERM to the wrapper's exit, past TimeoutStopSec=4s\n{err}"
+    assert "systemd did not say within 500ms" in err and "released consulrun/slow-exit/lock" in err, err
