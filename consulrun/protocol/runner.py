@@ -38,7 +38,7 @@ from consulrun.errors import ConsulrunError, ConsulUnavailable, ExitCode, JobNot
 from consulrun.protocol import testhook
 from consulrun.protocol.fencing import FINISH_RETRY_S, START_RETRY_S, stop_timeout_ms
 from consulrun.protocol.lock import Fencing, Held, Interrupted, Locker, LockSpec, Watcher, clock, now_iso as _now
-from consulrun.protocol.stops import STOP_SIGNALS, JobTimeout
+from consulrun.protocol.stops import JobTimeout
 from consulrun.records import record
 from consulrun.timefmt import duration
 
@@ -98,6 +98,7 @@ class _Signals:
         self._job_got: set[int] = set()  # indexes into `received` that reached a running job
         self._shielded: list[bool] = []
         self.first_at: float | None = None  # clock() of the first termination signal
+        self.first_term_at: float | None = None  # and of the first SIGTERM: systemd's stop, which starts its timeout
         self.wakeup, writer = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self._writer = writer
         self._previous_fd = signal.set_wakeup_fd(writer, warn_on_full_buffer=False)
@@ -110,6 +111,8 @@ class _Signals:
     def _handle(self, signum: int, _frame: FrameType | None) -> None:
         if not self.received:
             self.first_at = clock()
+        if signum == signal.SIGTERM and self.first_term_at is None:
+            self.first_term_at = clock()
         self.received.append(signum)
         if self.job is not None:
             self.forward_pending()
@@ -133,10 +136,11 @@ class _Signals:
         """The signals received so far have had their effect (they ended the retries): none is unforwarded."""
         self._job_got.update(range(len(self.received)))
 
-    def reached_job(self) -> bool:
-        """Whether a termination signal reached the running job (forwarded while its main process lived): only
-        such a stop can be "not the run's result"; one that came after the job had exited ended nothing of it."""
-        return bool(self._job_got)
+    def reached_job(self, signum: int | None = None) -> bool:
+        """Whether a termination signal (`signum`, if given) reached the running job (forwarded while its main
+        process lived): only such a stop can be "not the run's result"; one that came after the job had exited
+        ended nothing of it."""
+        return any(signum in (None, self.received[i]) for i in self._job_got)
 
     def unforwarded(self) -> list[int]:
         """Termination signals that arrived while no job was running to receive them."""
@@ -487,10 +491,13 @@ def _run_held(request: RunRequest, locker: Locker, held: Held, fencing: Fencing,
                 job.kill_all(grace, now=clock)
             # A stop that reached the job, or killed it (systemd's stop signals the whole cgroup), may be no result
             # (stops.py); one that came while leftovers were stopped, after the job exited, leaves its status.
+            # systemd stops a unit with SIGTERM (KillSignal=, consulrun's), at shutdown too: a SIGHUP or SIGINT
+            # the job outlived (`systemctl kill -s HUP`) is no stop, and a run that then ends by itself is done.
             if not lost and not (limit and limit.expired) and \
-                    (signals.reached_job() or status in [128 + sig for sig in STOP_SIGNALS]):
-                # systemd is given half of what the stop leaves for recording the result (_close's budget).
-                asked_by = (signals.first_at or clock()) + (fencing.kill_by_s - fencing.grace_s) / 2
+                    (signals.reached_job(signal.SIGTERM) or status == 128 + signal.SIGTERM):
+                # systemd is given half of what the stop leaves for recording the result (_close's budget),
+                # counted from its SIGTERM, as its TimeoutStopSec= is.
+                asked_by = (signals.first_term_at or clock()) + (fencing.kill_by_s - fencing.grace_s) / 2
                 lost = _stopped_not_a_result(spec.job, status, asked_by - clock())
             outcome = {"exit_status": status, "ended": _now(), **({"lost": lost} if lost else {}),
                        **({"timed_out": True} if limit and limit.expired else {}),

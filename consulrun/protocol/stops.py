@@ -7,7 +7,8 @@ anything, so systemd's `TimeoutStartSec=` (counted from the unit's start) would
 take that time from the job. The unit's own timeout is only a backstop behind
 this one (units/guarantees.py derives it).
 
-A termination signal that reached a running job is one of:
+A SIGTERM that reached a running job is one of (systemd stops units with SIGTERM, consulrun's KillSignal=;
+a SIGHUP or SIGINT is an operator's, never a stop of systemd's, and a run that outlives one is not asked about):
   the job's own timeout (sent by the wrapper)     a result: the job ran as long as it may
   `systemctl stop` of the unit, system running    a result: an operator ended this run on purpose
   the system stopping (shutdown, reboot)          not a result: the stop was not aimed at the job
@@ -93,9 +94,11 @@ class _NoAnswer(Exception):
 def _show(*args: str, timeout_s: float) -> dict[str, str]:
     import subprocess  # only a stopped run asks: a skipping one must not pay for the import
 
+    if timeout_s <= 0:  # the first question took it all: MIN_ASK_S is for both, not each
+        raise _NoAnswer
     try:
         out = subprocess.run(["systemctl", "show", *args], capture_output=True, text=True,
-                             timeout=max(MIN_ASK_S, timeout_s)).stdout
+                             timeout=timeout_s).stdout
     except subprocess.TimeoutExpired:
         raise _NoAnswer from None
     except (OSError, subprocess.SubprocessError):
@@ -105,7 +108,7 @@ def _show(*args: str, timeout_s: float) -> dict[str, str]:
 
 def not_a_result(unit: str | None = None, within_s: float = SYSTEMCTL_TIMEOUT_S) -> str | None:
     """Why the termination signal this run got is not the run's result, or None if it is (see the docstring).
-    systemd is given `within_s` (at least MIN_ASK_S) to answer both questions."""
+    systemd is given `within_s` (at least MIN_ASK_S) to answer both questions together."""
     unit = unit or own_unit()
     if unit is None:
         return None
