@@ -200,3 +200,33 @@ def test_a_slow_exit_and_a_slow_systemd_still_leave_the_wrapper_inside_timeoutst
     took = time.monotonic() - sent
     assert took < 4.0, f"{took:.2f}s from SIGTERM to the wrapper's exit, past TimeoutStopSec=4s\n{err}"
     assert "systemd did not say within 500ms" in err and "released consulrun/slow-exit/lock" in err, err
+
+
+@pytest.mark.consul
+@pytest.mark.parametrize(("script", "said"), [
+    ('case "$*" in *SystemState*) echo SystemState=running;; *) echo Result=success;; esac',
+     ["systemd says the system is running and consulrun-shut.service's result is success: the stop was aimed at "
+      "the job, so the job's status is the run's result"]),
+    ("echo 'Failed to connect to bus: No such file or directory' >&2; exit 1",
+     ["could not ask systemd why the job was stopped (systemctl show --property=SystemState exited 1: Failed to "
+      "connect to bus: No such file or directory)", "without systemd's answer the stop counts as the run's result"]),
+], ids=["running", "no-bus"])
+def test_a_stop_counted_as_the_result_says_what_systemd_answered(consul: Agent, tmp_path: Path, script: str,
+                                                                 said: list[str]) -> None:
+    """An operator's stop (systemd answering: running) and a systemd that cannot be asked both leave the job's
+    status as the run's result; the journal says which, so a run recorded done after a stop is explained."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "systemctl").write_text(f"#!/bin/sh\n{script}\n")
+    (bin_dir / "systemctl").chmod(0o755)
+    env = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "CONSUL_HTTP_ADDR": consul.http_addr, "PYTHONPATH": str(REPO)}
+    started, job = tmp_path / "started", f"said-{len(said)}"
+    wrapper = subprocess.Popen([sys.executable, "-c", SHIM, "run", "--schedule", DAILY, "--on-holder-loss", "retry",
+                                job, "--", "sh", "-c", f"touch {started}; exec sleep 30"],
+                               env={**os.environ, **env}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    wait_for(started.exists, 20, "the job to start")
+    wrapper.send_signal(signal.SIGTERM)
+    _, err = wrapper.communicate(timeout=60)
+    assert all(f"consulrun: {job}: {line}" in err for line in said) and "is recorded lost" not in err, err
+    record = kv_json(consul, f"consulrun/{job}/occurrence")
+    assert (record["state"], record["exit_status"]) == ("done", 143), record

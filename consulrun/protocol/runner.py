@@ -557,7 +557,7 @@ def _stopped_not_a_result(name: str, status: int, within_s: float) -> str | None
     at most `within_s`."""
     from consulrun.protocol.stops import not_a_result
 
-    why = not_a_result(within_s=within_s)
+    why = not_a_result(name, within_s=within_s)
     if why:
         log.warning("%s: the job was stopped (status %d): %s; this is not its result: the run is recorded lost, "
                     "not done", name, status, why)

@@ -91,27 +91,49 @@ class _NoAnswer(Exception):
     """systemd was asked and did not answer in time."""
 
 
-def _show(*args: str, timeout_s: float) -> dict[str, str]:
+def _show(name: str, *args: str, timeout_s: float) -> dict[str, str]:
     import subprocess  # only a stopped run asks: a skipping one must not pay for the import
 
     if timeout_s <= 0:  # the first question took it all: MIN_ASK_S is for both, not each
         raise _NoAnswer
     try:
-        out = subprocess.run(["systemctl", "show", *args], capture_output=True, text=True,
-                             timeout=timeout_s).stdout
+        done = subprocess.run(["systemctl", "show", *args], capture_output=True, text=True, timeout=timeout_s)
     except subprocess.TimeoutExpired:
         raise _NoAnswer from None
-    except (OSError, subprocess.SubprocessError):
+    except (OSError, subprocess.SubprocessError) as exc:
+        log.warning("%s: could not ask systemd why the job was stopped (systemctl show %s: %s)", name,
+                    " ".join(args), exc)
         return {}
-    return dict(line.split("=", 1) for line in out.splitlines() if "=" in line)
+    if done.returncode != 0:
+        log.warning("%s: could not ask systemd why the job was stopped (systemctl show %s exited %d: %s)", name,
+                    " ".join(args), done.returncode, " ".join(done.stderr.split())[:300])
+    return dict(line.split("=", 1) for line in done.stdout.splitlines() if "=" in line)
 
 
-def not_a_result(unit: str | None = None, within_s: float = SYSTEMCTL_TIMEOUT_S) -> str | None:
-    """Why the termination signal this run got is not the run's result, or None if it is (see the docstring).
-    systemd is given `within_s` (at least MIN_ASK_S) to answer both questions together."""
+def not_a_result(name: str, unit: str | None = None, within_s: float = SYSTEMCTL_TIMEOUT_S) -> str | None:
+    """Why the termination signal job `name`'s run got is not the run's result, or None if it is (see the
+    docstring). systemd is given `within_s` (at least MIN_ASK_S) to answer both questions together."""
     unit = unit or own_unit()
     if unit is None:
         return None
+    until = clock() + max(MIN_ASK_S, within_s)
+    try:
+        state = _show(name, "--property=SystemState", timeout_s=until - clock()).get("SystemState", "")
+        if state == "stopping":
+            return "the system is shutting down (a stop not aimed at the job)"
+        result = _show(name, unit, "--property=Result", timeout_s=until - clock()).get("Result", "")
+        if result == "timeout":
+            return f"{unit}'s TimeoutStartSec= backstop expired (consulrun overran it; not the job's own timeout)"
+    except _NoAnswer:
+        return (f"systemd did not say within {duration(max(MIN_ASK_S, within_s))} why the job was stopped (a node "
+                "shutting down answers that late; not taken as a stop aimed at the job)")
+    # What systemd said, in the journal: a run recorded done after a stop says why it counts as its result.
+    if state and result:
+        log.info("%s: systemd says the system is %s and %s's result is %s: the stop was aimed at the job, so the "
+                 "job's status is the run's result", name, state, unit, result)
+    else:
+        log.info("%s: without systemd's answer the stop counts as the run's result", name)
+    return None
     until = clock() + max(MIN_ASK_S, within_s)
     try:
         state = _show("--property=SystemState", timeout_s=until - clock()).get("SystemState", "")
