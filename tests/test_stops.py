@@ -230,3 +230,34 @@ def test_a_stop_counted_as_the_result_says_what_systemd_answered(consul: Agent, 
     assert all(f"consulrun: {job}: {line}" in err for line in said) and "is recorded lost" not in err, err
     record = kv_json(consul, f"consulrun/{job}/occurrence")
     assert (record["state"], record["exit_status"]) == ("done", 143), record
+
+
+@pytest.mark.consul
+def test_a_stopped_wrapper_gives_up_on_consul_before_systemds_sigkill(consul: Agent, tmp_path: Path) -> None:
+    """Being stopped, the wrapper has until TimeoutStopSec= (lock-delay less a second: 4 s here) before systemd's
+    SIGKILL. Its retries stopped in time, but each request could still wait the client's 10 s: with the agent
+    holding every write, recording took 10 s and destroying the session 10 more (the red team's 13th WEAK), so on
+    a real node SIGKILL cut it off mid-request. Now no request outlives the stop: the wrapper says it could not
+    record, and ends while the first held request is still held (15 s)."""
+    from tests.harness.faultproxy import FaultProxy
+
+    env = {**_shutting_down(tmp_path), "PYTHONPATH": str(REPO)}
+    (tmp_path / "bin" / "systemctl").write_text("#!/bin/sh\ncase \"$*\" in *SystemState*) echo SystemState=running;; "
+                                                "*) echo Result=success;; esac\n")  # an operator's stop
+    started = tmp_path / "started"
+    with FaultProxy(consul.http_addr) as proxy:
+        wrapper = subprocess.Popen([sys.executable, "-c", SHIM, "run", "--schedule", DAILY, "--lock-delay", "5s",
+                                    "stopstall", "--", "sh", "-c", f"touch {started}; exec sleep 30"],
+                                   env={**os.environ, **env, "CONSUL_HTTP_ADDR": proxy.address},
+                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        wait_for(started.exists, 20, "the job to start")
+        held = proxy.fail("PUT", "/v1/", "stall", times=10)
+        held.stall_s = 15.0
+        signalled = time.monotonic()
+        wrapper.send_signal(signal.SIGTERM)
+        _, err = wrapper.communicate(timeout=60)
+        ended = time.monotonic() - signalled
+    assert held.hits, err  # the record's write was sent, and held
+    assert "could not record the result or release consulrun/stopstall/lock" in err and \
+        "did not answer in time" in err, err
+    assert ended < held.stall_s, (ended, err)

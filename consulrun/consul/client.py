@@ -23,6 +23,7 @@ import os
 import select
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -373,6 +374,12 @@ class Client:
         self._token = config.resolved_token(label)
         self.address = f"unix://{self._socket_path}" if self._socket_path else f"{scheme}://{host}:{port}"
         self.label = label
+        self._ends_at: float | None = None  # time.monotonic() past which no request waits (see `end_by`)
+
+    def end_by(self, seconds: float) -> None:
+        """No request from now on waits past `seconds` from now (a stopping wrapper's TimeoutStopSec=): one
+        that would is cut short, as an agent not answering in time is."""
+        self._ends_at = time.monotonic() + seconds
 
     def _translated(self, what: str, read_only: bool = False) -> Any:
         return translated(f"{what} via {self.address}", read_only)
@@ -418,6 +425,10 @@ class Client:
         if isinstance(body, str):
             body = body.encode("utf-8")
         timeout = self._timeout + (wait_s + wait_s / 16 if wait_s is not None else 0)
+        if self._ends_at is not None:
+            timeout = min(timeout, self._ends_at - time.monotonic())
+            if timeout <= 0:
+                raise TimeoutError("no time left for it")
         conn = self._connection(timeout)
         try:
             code, fields, content = conn.request(method, url, body, headers, timeout)

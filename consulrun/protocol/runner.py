@@ -97,8 +97,7 @@ class _Signals:
         self._forwarded = 0
         self._job_got: set[int] = set()  # indexes into `received` that reached a running job
         self._shielded: list[bool] = []
-        self.first_at: float | None = None  # clock() of the first termination signal
-        self.first_term_at: float | None = None  # and of the first SIGTERM: systemd's stop, which starts its timeout
+        self.first_term_at: float | None = None  # clock() of the first SIGTERM: systemd's stop, starting its timeout
         self.wakeup, writer = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self._writer = writer
         self._previous_fd = signal.set_wakeup_fd(writer, warn_on_full_buffer=False)
@@ -109,8 +108,6 @@ class _Signals:
             signal.signal(sig, lambda _signum, _frame: None)
 
     def _handle(self, signum: int, _frame: FrameType | None) -> None:
-        if not self.received:
-            self.first_at = clock()
         if signum == signal.SIGTERM and self.first_term_at is None:
             self.first_term_at = clock()
         self.received.append(signum)
@@ -543,8 +540,8 @@ def _run_held(request: RunRequest, locker: Locker, held: Held, fencing: Fencing,
         if _job_gone(job, spec.job):
             testhook.pause("releasing")
             # Stopping (systemctl stop) leaves TimeoutStopSec=: after a termination signal, retry only briefly.
-            _close(locker, held, ledger, claim, outcome, stopping=lambda: signals.first_at,
-                   stop_budget_s=fencing.kill_by_s - fencing.grace_s,
+            _close(locker, held, ledger, claim, outcome, stopping=lambda: signals.first_term_at,
+                   stop_budget_s=fencing.kill_by_s - fencing.grace_s, stop_end_s=fencing.kill_by_s,
                    check=_health_check(request) if ledger is None else None)
         else:
             locker.session = None  # never destroy it: the lock must outlive the job's processes
@@ -627,10 +624,18 @@ def _health_check(request: RunRequest) -> Callable[[dict[str, Any]], dict[str, A
     return lambda last: finish_op(spec.prefix, spec.job, last)
 
 
+STOP_END_MARGIN_S = 0.25  # a stopping wrapper's last request ends this long before systemd's SIGKILL
+
+
 def _close(locker: Locker, held: Held, ledger: occurrence.Ledger | None, claim: dict[str, Any] | None,
            outcome: dict[str, Any], stopping: Callable[[], float | None] = lambda: None,
-           stop_budget_s: float = 0.0, check: Callable[[dict[str, Any]], dict[str, Any]] | None = None) -> None:
+           stop_budget_s: float = 0.0, stop_end_s: float | None = None,
+           check: Callable[[dict[str, Any]], dict[str, Any]] | None = None) -> None:
     """Record the outcome and release, retrying transient failures for a bounded time; destroy the session.
+
+    Being stopped (systemd's SIGTERM at `stopping()`), it retries for `stop_budget_s` from that signal, and no
+    request waits past `stop_end_s` from it, less STOP_END_MARGIN_S: there systemd's SIGKILL comes (the
+    unit's TimeoutStopSec=), and a wrapper that gives up first says so and destroys what it can.
 
     A completed run that could not be recorded would be re-run by a `retry`
     standby, so one failed write (a leader election, a restarting agent) is not
@@ -648,6 +653,8 @@ def _close(locker: Locker, held: Held, ledger: occurrence.Ledger | None, claim: 
         signalled_at = stopping()
         if signalled_at is not None and not shortened:  # being stopped: only what is left of the stop timeout
             give_up, shortened = min(give_up, signalled_at + stop_budget_s), True
+            if stop_end_s is not None:
+                locker.client.end_by(signalled_at + stop_end_s - STOP_END_MARGIN_S - clock())
         try:
             locker.keep_alive()
             if _record_and_release(locker, held, ledger, claim, outcome, check):
