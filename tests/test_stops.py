@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -142,7 +143,9 @@ def test_a_stop_systemd_cannot_explain_in_time_is_not_its_result(consul: Agent, 
     wait_for(started.exists, 20, "the job to start")
     wrapper.send_signal(signal.SIGTERM)
     _, err = wrapper.communicate(timeout=60)
-    assert "systemd did not say within 1.2s why the job was stopped" in err and "is recorded lost" in err, err
+    # Half of the 2.33 s the stop leaves at lock-delay 5 s, less the job's own exit: at most 1.2 s, at least 0.5.
+    assert re.search(r"systemd did not say within (1\.[0-2]s|[5-9]\d\dms) why the job was stopped", err), err
+    assert "is recorded lost" in err, err
     record = kv_json(consul, "consulrun/shutdown-silent/occurrence")
     assert (record["state"], record["exit_status"]) == ("lost", 143), record
     assert record["reason"].startswith("systemd did not say within"), record
@@ -175,31 +178,39 @@ def test_a_job_that_outlived_a_hangup_and_exited_0_is_done_though_systemd_is_slo
     assert (record["state"], record["exit_status"]) == ("done", 0), record
 
 
-@pytest.mark.consul
-def test_a_slow_exit_and_a_slow_systemd_still_leave_the_wrapper_inside_timeoutstopsec(consul: Agent,
-                                                                                        tmp_path: Path) -> None:
+def test_both_of_systemds_questions_share_one_budget(monkeypatch: pytest.MonkeyPatch) -> None:
     """Red team 13: at lock-delay 5 s (TimeoutStopSec=4s) a job took 3.2 s to exit after SIGTERM; systemd then
     answered the first question in 0.45 s and not the second. Each question got at least MIN_ASK_S, so the two
     took 0.95 s where the line said `within 500ms`, and the wrapper ended 4.2 s after the SIGTERM: on a node,
-    systemd's SIGKILL at 4 s came first and nothing was recorded. MIN_ASK_S is for both questions together."""
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    (bin_dir / "systemctl").write_text("#!/bin/sh\ncase \"$*\" in *SystemState*) sleep 0.45; echo SystemState=running;;"
-                                       " *) exec sleep 30;; esac\n")
-    (bin_dir / "systemctl").chmod(0o755)
-    env = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "CONSUL_HTTP_ADDR": consul.http_addr, "PYTHONPATH": str(REPO)}
-    started = tmp_path / "started"
-    wrapper = subprocess.Popen([sys.executable, "-c", SHIM, "run", "--schedule", DAILY, "--on-holder-loss", "retry",
-                                "--lock-delay", "5s", "slow-exit", "--", "sh", "-c",
-                                f"trap 'sleep 3.2; exit 143' TERM; touch {started}; sleep 30 & wait"],
-                               env={**os.environ, **env}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    wait_for(started.exists, 20, "the job to start")
-    sent = time.monotonic()
-    wrapper.send_signal(signal.SIGTERM)
-    _, err = wrapper.communicate(timeout=60)
-    took = time.monotonic() - sent
-    assert took < 4.0, f"{took:.2f}s from SIGTERM to the wrapper's exit, past TimeoutStopSec=4s\n{err}"
-    assert "systemd did not say within 500ms" in err and "released consulrun/slow-exit/lock" in err, err
+    systemd's SIGKILL at 4 s came first and nothing was recorded. MIN_ASK_S is for both questions together.
+    (The clock is this test's: each `systemctl` takes the time the test gives it, or its whole timeout.)"""
+    import subprocess as real
+
+    from consulrun.protocol import stops
+
+    now = [100.0]
+    asked: list[tuple[str, float]] = []
+    takes = {"--property=SystemState": 0.45}  # the second question, about the unit, is never answered
+
+    def run(argv: list[str], timeout: float, **_: object) -> real.CompletedProcess[str]:
+        asked.append((argv[-1], timeout))
+        if argv[-1] not in takes or takes[argv[-1]] > timeout:
+            now[0] += timeout
+            raise real.TimeoutExpired(argv, timeout)
+        now[0] += takes[argv[-1]]
+        return real.CompletedProcess(argv, 0, "SystemState=running\n", "")
+
+    monkeypatch.setattr(stops, "clock", lambda: now[0])
+    monkeypatch.setattr(real, "run", run)
+    why = stops.not_a_result("slow", unit="consulrun-slow.service", within_s=0.1)
+    assert why is not None and why.startswith("systemd did not say within 500ms"), why
+    assert [q for q, _ in asked] == ["--property=SystemState", "--property=Result"], asked
+    assert now[0] - 100.0 == pytest.approx(stops.MIN_ASK_S), asked  # 0.45 + 0.05, not 0.45 + 0.5
+    # No time left after the first question: the second is not asked at all.
+    now[0], asked[:] = 100.0, []
+    takes["--property=SystemState"] = 0.5
+    assert stops.not_a_result("slow", unit="consulrun-slow.service", within_s=0.1) == why
+    assert [q for q, _ in asked] == ["--property=SystemState"], asked
 
 
 @pytest.mark.consul
