@@ -39,7 +39,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("consulrun")
 
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 SYSTEMCTL_TIMEOUT_S = 5.0
 
 
