@@ -102,11 +102,23 @@ def _show(name: str, *args: str, timeout_s: float) -> dict[str, str]:
     except (OSError, subprocess.SubprocessError) as exc:
         log.warning("%s: could not ask systemd why the job was stopped (systemctl show %s: %s)", name,
                     " ".join(args), exc)
-        return {}
+        return _unanswered()
     if done.returncode != 0:
         log.warning("%s: could not ask systemd why the job was stopped (systemctl show %s exited %d: %s)", name,
                     " ".join(args), done.returncode, " ".join(done.stderr.split())[:300])
+        return _unanswered()
     return dict(line.split("=", 1) for line in done.stdout.splitlines() if "=" in line)
+
+
+def _unanswered() -> dict[str, str]:
+    """systemd refused to answer. As root it answers on its own socket whenever it serves at all, so a refusal
+    is its silence (a manager shutting down); a user without access to its bus gets no answer ever, and the
+    stop counts as the result, as it did before systemd was asked."""
+    import os
+
+    if os.geteuid() == 0:
+        raise _NoAnswer
+    return {}
 
 
 def not_a_result(name: str, unit: str | None = None, within_s: float = SYSTEMCTL_TIMEOUT_S) -> str | None:
@@ -125,7 +137,7 @@ def not_a_result(name: str, unit: str | None = None, within_s: float = SYSTEMCTL
             return f"{unit}'s TimeoutStartSec= backstop expired (consulrun overran it; not the job's own timeout)"
     except _NoAnswer:
         return (f"systemd did not say within {duration(max(MIN_ASK_S, within_s))} why the job was stopped (a node "
-                "shutting down answers that late; not taken as a stop aimed at the job)")
+                "shutting down answers that late, or not at all; not taken as a stop aimed at the job)")
     # What systemd said, in the journal: a run recorded done after a stop says why it counts as its result.
     if state and result:
         log.info("%s: systemd says the system is %s and %s's result is %s: the stop was aimed at the job, so the "
@@ -142,5 +154,5 @@ def not_a_result(name: str, unit: str | None = None, within_s: float = SYSTEMCTL
             return f"{unit}'s TimeoutStartSec= backstop expired (consulrun overran it; not the job's own timeout)"
     except _NoAnswer:
         return (f"systemd did not say within {duration(max(MIN_ASK_S, within_s))} why the job was stopped (a node "
-                "shutting down answers that late; not taken as a stop aimed at the job)")
+                "shutting down answers that late, or not at all; not taken as a stop aimed at the job)")
     return None
