@@ -124,25 +124,33 @@ def test_a_shutdown_signal_that_reaches_the_job_is_not_its_result(consul: Agent,
     assert kv_json(consul, "consulrun/shutdown-early/occurrence")["state"] == "lost"
 
 
+def _stopped_run(consul: Agent, tmp_path: Path, systemctl: str, job: str, script: str, *options: str,
+                 signum: int = signal.SIGTERM) -> str:
+    """Run `job` (`sh -c script`, which touches $STARTED first) under a fake `systemctl` (its shell body) and the
+    SHIM's unit, send the wrapper `signum` once the job has started, and return what the wrapper said."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "systemctl").write_text(f"#!/bin/sh\n{systemctl}\n")
+    (bin_dir / "systemctl").chmod(0o755)
+    started = tmp_path / "started"
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "CONSUL_HTTP_ADDR": consul.http_addr,
+           "PYTHONPATH": str(REPO), "STARTED": str(started)}
+    wrapper = subprocess.Popen([sys.executable, "-c", SHIM, "run", "--schedule", DAILY, "--on-holder-loss", "retry",
+                                *options, job, "--", "sh", "-c", script],
+                               env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    wait_for(started.exists, 20, "the job to start")
+    wrapper.send_signal(signum)
+    return wrapper.communicate(timeout=60)[1]
+
+
 @pytest.mark.consul
 def test_a_stop_systemd_cannot_explain_in_time_is_not_its_result(consul: Agent, tmp_path: Path) -> None:
     """A node shutting down under load: `systemctl show` does not answer. The wrapper asked for 5 s, twice, and
     then counted the stop as the result (done, 143), past its unit's TimeoutStopSec= (lock-delay less a second):
     on a real node it was killed before it recorded anything (CI stop 34). It asks only for half of what the stop
     leaves, and a manager that silent is taken as one shutting down: lost, so a `retry` standby runs it."""
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    (bin_dir / "systemctl").write_text("#!/bin/sh\nexec sleep 30\n")
-    (bin_dir / "systemctl").chmod(0o755)
-    env = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "CONSUL_HTTP_ADDR": consul.http_addr, "PYTHONPATH": str(REPO)}
-    started = tmp_path / "started"
-    wrapper = subprocess.Popen([sys.executable, "-c", SHIM, "run", "--schedule", DAILY, "--on-holder-loss", "retry",
-                                "--lock-delay", "5s", "shutdown-silent", "--", "sh", "-c",
-                                f"touch {started}; exec sleep 30"],
-                               env={**os.environ, **env}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    wait_for(started.exists, 20, "the job to start")
-    wrapper.send_signal(signal.SIGTERM)
-    _, err = wrapper.communicate(timeout=60)
+    err = _stopped_run(consul, tmp_path, "exec sleep 30", "shutdown-silent", 'touch "$STARTED"; exec sleep 30',
+                       "--lock-delay", "5s")
     # Half of the 2.33 s the stop leaves at lock-delay 5 s, less the job's own exit: at most 1.2 s, at least 0.5.
     assert re.search(r"systemd did not say within (1\.[0-2]s|[5-9]\d\dms) why the job was stopped", err), err
     assert "is recorded lost" in err, err
@@ -159,20 +167,9 @@ def test_a_job_that_outlived_a_hangup_and_exited_0_is_done_though_systemd_is_slo
     0.6 s to answer (a loaded node, not one shutting down) made the finished run `lost`: a `retry` standby ran it
     again, and an `on: failure` child would run. systemd stops a unit with SIGTERM (KillSignal=, consulrun's),
     at shutdown too, never with SIGHUP alone: only a SIGTERM can be a stop that is not the run's result."""
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    (bin_dir / "systemctl").write_text("#!/bin/sh\nsleep 0.6\ncase \"$*\" in *SystemState*) echo SystemState=running;;"
-                                       " *) echo Result=success;; esac\n")
-    (bin_dir / "systemctl").chmod(0o755)
-    env = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "CONSUL_HTTP_ADDR": consul.http_addr, "PYTHONPATH": str(REPO)}
-    started = tmp_path / "started"
-    wrapper = subprocess.Popen([sys.executable, "-c", SHIM, "run", "--schedule", DAILY, "--on-holder-loss", "retry",
-                                "--lock-delay", "5s", "hangup-outlived", "--", "sh", "-c",
-                                f"trap '' HUP; touch {started}; sleep 2; exit 0"],
-                               env={**os.environ, **env}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    wait_for(started.exists, 20, "the job to start")
-    wrapper.send_signal(signal.SIGHUP)
-    _, err = wrapper.communicate(timeout=60)
+    err = _stopped_run(consul, tmp_path, 'sleep 0.6; case "$*" in *SystemState*) echo SystemState=running;; '
+                       '*) echo Result=success;; esac', "hangup-outlived",
+                       'trap "" HUP; touch "$STARTED"; sleep 2; exit 0', "--lock-delay", "5s", signum=signal.SIGHUP)
     assert "SIGHUP received; forwarding it" in err and "is recorded lost" not in err, err
     record = kv_json(consul, "consulrun/hangup-outlived/occurrence")
     assert (record["state"], record["exit_status"]) == ("done", 0), record
@@ -233,18 +230,8 @@ def test_a_stop_says_what_systemd_answered(consul: Agent, tmp_path: Path, script
     """An operator's stop (systemd answering: running) leaves the job's status as the run's result; systemd
     refusing root is its silence (lost), and a user without its bus counts the stop as the result. The journal
     says which, so a run recorded done or lost after a stop is explained."""
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    (bin_dir / "systemctl").write_text(f"#!/bin/sh\n{script}\n")
-    (bin_dir / "systemctl").chmod(0o755)
-    env = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "CONSUL_HTTP_ADDR": consul.http_addr, "PYTHONPATH": str(REPO)}
-    started, job = tmp_path / "started", f"said-{len(said)}"
-    wrapper = subprocess.Popen([sys.executable, "-c", SHIM, "run", "--schedule", DAILY, "--on-holder-loss", "retry",
-                                job, "--", "sh", "-c", f"touch {started}; exec sleep 30"],
-                               env={**os.environ, **env}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    wait_for(started.exists, 20, "the job to start")
-    wrapper.send_signal(signal.SIGTERM)
-    _, err = wrapper.communicate(timeout=60)
+    job = f"said-{len(said)}-{state}"
+    err = _stopped_run(consul, tmp_path, script, job, 'touch "$STARTED"; exec sleep 30')
     assert all(f"consulrun: {job}: {line}" in err for line in said), err
     assert ("is recorded lost" in err) == (state == "lost"), err
     record = kv_json(consul, f"consulrun/{job}/occurrence")
