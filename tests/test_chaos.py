@@ -291,6 +291,49 @@ def test_checker_holds_each_node_to_n_at_once_every_healthy_node_once_and_once_p
     assert [(v["kind"], v["node"]) for v in report["violations"]] == [("twice on one node", "c1")]
 
 
+def test_checker_finds_an_attempt_number_run_twice_and_a_node_running_two_occurrences_at_once(
+        tmp_path: Path) -> None:
+    """A takeover goes on from the attempts recorded before it: two holders' runs of one occurrence under the
+    same CONSULRUN_ATTEMPT are a count started afresh (issue 37, break 2). An each-node job's node runs one of
+    its occurrences at a time (break 4)."""
+    first = _run("r", "c1", 100, OCC[0], 10, T0 + 0.5, 5)
+    second = _run("r", "c2", 200, OCC[0], 11, T0 + 2.0, 5)
+    first[0]["attempt"], second[0]["attempt"] = "1", "2"
+    history = sorted([*_fires("r", 0), *first, *second], key=lambda line: line["t"])
+    assert _write(tmp_path / "counted", history, [])["violations"] == []
+    second[0]["attempt"] = "1"
+    history = sorted([*_fires("r", 0), *first, *second], key=lambda line: line["t"])
+    report = _write(tmp_path / "afresh", history, [])
+    assert [(v["kind"], v["attempt"]) for v in report["violations"]] == [("an attempt number run twice", 1)]
+    fires = [*_fires("e", 0), *_fires("e", 1)]
+    long_run = _run("e", "c1", 100, OCC[0], 10, T0 + 0.5, 60)  # outlives its 5 s interval
+    overtaking = _run("e", "c1", 110, OCC[1], 11, T0 + 5.5, 5)
+    report = _each_node(tmp_path / "at-once", [*fires, *long_run, *overtaking], interval_s=5)
+    assert [(v["kind"], v["node"]) for v in report["violations"]] == [("two occurrences at once on one node", "c1")]
+    after = _run("e", "c1", 110, OCC[1], 11, T0 + 6.6, 5)  # waited for its own run to end
+    report = _each_node(tmp_path / "one-at-a-time", [*fires, *long_run, *after], interval_s=5)
+    assert "two occurrences at once on one node" not in [v["kind"] for v in report["violations"]]
+
+
+def test_checker_holds_a_chained_child_to_its_attempts_per_parent_run(tmp_path: Path) -> None:
+    """One holder may retry a chained run up to the child's attempts; a run to its end beyond them (a request
+    given back after the job ran, and run again under the same token) is a chained run twice (break 1)."""
+    out = tmp_path / "chain"
+    parent = _run("s", "c1", 100, OCC[0], 10, T0 + 0.5, 5)
+    child = f"{OCC[0]}~after~s"
+    runs = [*_run("k", "c3", 200, child, 20, T0 + 1.5, 3), *_run("k", "c3", 201, child, 20, T0 + 2.5, 3)]
+    _write(out, sorted([*_fires("s", 0), *parent, *runs], key=lambda line: line["t"]), [])
+    meta = json.loads((out / "run.json").read_text())
+    meta["jobs"].append({"name": "k", "policy": "skip", "schedule": "", "seconds": 0.3, "interval_s": 5,
+                         "condition_holds": False, "after": [{"job": "s", "on": "success"}], "attempts": 2})
+    (out / "run.json").write_text(json.dumps(meta))
+    assert check(out)["violations"] == []
+    meta["jobs"][-1]["attempts"] = 1
+    (out / "run.json").write_text(json.dumps(meta))
+    kinds = [v["kind"] for v in check(out)["violations"]]
+    assert "chained run twice for one parent run" in kinds, kinds
+
+
 def _our_namespaces(tag: str) -> list[str]:
     listing = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True).stdout
     return [line.split()[0] for line in listing.splitlines() if line.split() and line.split()[0].endswith("-" + tag)]

@@ -8,7 +8,8 @@ parent's runs of that occurrence as the history shows them at the instant the ch
   success  some parent run of it had ended;
   failure  some had started, none had ended, and none was still alive (its last line was before);
   always   some had ended or died.
-Two chained runs for one parent run under two fencing tokens are two holders: a duplicate.
+Two chained runs for one parent run under two fencing tokens are two holders: a duplicate; so are more runs
+to their end than the child's `attempts` (its retries included).
 """
 
 from __future__ import annotations
@@ -48,9 +49,13 @@ def judge(spec: dict[str, Any], runs_by_job: dict[str, list[Any]]) -> tuple[dict
             without.append({"run": _describe(run), "parent": parent, "parent_occurrence": parent_occ,
                             "on": after.get(parent), "parent_runs": [_describe(p) for p in parents],
                             "evidence": [*run.lines, *(ln for p in parents for ln in p.lines)]})
+    # Two holders for one parent run, or more runs to their end than the child's attempts (its retries): a
+    # retry that could not start must not give the request back for another node to run again.
+    allowed = int(spec.get("attempts", 1))
     twice = [{"parent": parent, "parent_occurrence": occ, "runs": [_describe(r) for r in rs],
               "evidence": [ln for r in rs for ln in r.lines]}
-             for (parent, occ), rs in sorted(groups.items()) if len({r.token for r in rs}) > 1]
+             for (parent, occ), rs in sorted(groups.items())
+             if len({r.token for r in rs}) > 1 or sum(r.ended for r in rs) > allowed]
     entry = {"after": after, "chained_runs": sum(len(rs) for rs in groups.values()),
              "chained_without_parent_end": without, "chained_twice": twice}
     violations = [{"kind": "chained run without its parent's end", "job": name, **item} for item in without]

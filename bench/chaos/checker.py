@@ -5,8 +5,9 @@ never ended, [start, last heartbeat]. Per job it reports overlapping runs
 (pause overlaps apart, with whether a fencing-token guarded store would have
 rejected the stale holder's writes), occurrences run twice under `skip`,
 occurrences never completed under `retry` although a client node was free of
-faults, one holder running an occurrence more often than its `retries.attempts`
-allow (1 without retries), a chained job's run without its parent's end or twice for one parent run
+faults, one holder running an occurrence more often than its `retries.attempts` allow
+(1 without retries), an attempt number run twice (a takeover's count started afresh), an each-node job's
+node running two of its occurrences at once, a chained job's run without its parent's end or twice for one parent run
 (chains.py), wrapper exit statuses, fencing latency (fault start -> the holder's
 job dead) and takeover latency (holder's job dead -> a standby's job start) as
 percentiles, and Raft writes per occurrence. A `retry` occurrence lost because
@@ -67,6 +68,7 @@ class Run:
     lines: list[dict[str, Any]] = field(default_factory=list)  # start, last heartbeat, end: the evidence
     writes: list[tuple[float, bool]] = field(default_factory=list)  # (time, rejected by a token-guarded store)
     paused: list[int] = field(default_factory=list)  # ids of pause faults that froze it
+    attempt: int | None = None  # its CONSULRUN_ATTEMPT (histories from before it was logged have none)
 
 
 @dataclass
@@ -122,7 +124,8 @@ def load_runs(path: Path) -> tuple[dict[str, list[Run]], list[dict[str, Any]]]:
             continue
         job, pid, token, t = line["job"], line["pid"], line.get("token", 0), line["t"]
         if event == "start":
-            run = Run(job, line["node"], pid, line["wrapper"], line.get("occ") or "", token, t, t, lines=[line])
+            run = Run(job, line["node"], pid, line["wrapper"], line.get("occ") or "", token, t, t, lines=[line],
+                      attempt=int(line["attempt"]) if str(line.get("attempt") or "").isdigit() else None)
             runs[job].append(run)
             active[(job, pid)] = run
         else:
@@ -285,6 +288,16 @@ class _Job:
                  for (occ, node), rs in by_node.items() if len({r.token for r in rs}) > 1]
         self.entry["duplicates"] = twice
         self.violations += [{"kind": "twice on one node", "job": self.name, **item} for item in twice]
+        # A node runs one of its occurrences at a time: its run of the next waits for its run of the last.
+        at_once = []
+        for node in sorted({r.node for r in self.runs}):
+            mine = [r for r in self.runs if r.node == node]
+            at_once += [{"node": node, "runs": [_describe(a), _describe(b)], "evidence": [*a.lines, *b.lines]}
+                        for i, a in enumerate(mine) for b in mine[i + 1:]
+                        if b.start < a.last and a.occ != b.occ and not (a.paused or b.paused)]
+        self.entry["two_occurrences_at_once_on_one_node"] = at_once
+        self.violations += [{"kind": "two occurrences at once on one node", "job": self.name, **item}
+                            for item in at_once]
         self.entry["started_more_than_once"] = len(twice)
         self.entry["completed_more_than_once"] = sum(sum(r.ended for r in rs) > 1 for rs in by_node.values())
         clients = meta["clients"]
@@ -359,6 +372,19 @@ class _Job:
         too_many = [{"occurrence": occ, "token": token, "attempts": len(rs), "allowed": allowed,
                      "runs": [_describe(r) for r in rs], "evidence": [ln for r in rs for ln in r.lines]}
                     for (occ, token), rs in per_holder.items() if len(rs) > allowed]
+        # Across holders: each run of an occurrence has its own attempt number (CONSULRUN_ATTEMPT, counted from
+        # the record), so a takeover goes on from the attempts before it; a number seen twice is a count that
+        # started afresh, and with it the budget (per node for each-node; a restore apart).
+        numbered: dict[tuple[str, str, int], list[Run]] = defaultdict(list)
+        for run in self.runs:
+            if run.attempt is not None:
+                numbered[(run.occ, run.node if self.spec.get("each_node") else "", run.attempt)].append(run)
+        repeated = [{"occurrence": occ, "node": node or None, "attempt": number,
+                     "runs": [_describe(r) for r in rs], "evidence": [ln for r in rs for ln in r.lines]}
+                    for (occ, node, number), rs in numbered.items()
+                    if len(rs) > 1 and not self._restored_between(rs[0].start, rs[-1].start)]
+        self.entry["attempt_numbers_repeated"] = repeated
+        self.violations += [{"kind": "an attempt number run twice", "job": self.name, **item} for item in repeated]
         self.entry["attempts_allowed"] = allowed
         self.entry["more_attempts_than_allowed"] = too_many
         self.violations += [{"kind": "more attempts than allowed", "job": self.name, **item} for item in too_many]

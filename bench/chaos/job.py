@@ -37,7 +37,7 @@ def main() -> None:
         os.write(fd, (line + "\n").encode())
 
     emit("start", node=node, wrapper=base + os.getppid(), occ=os.environ.get("CONSULRUN_OCCURRENCE"),
-         session=os.environ.get("CONSULRUN_SESSION"))
+         session=os.environ.get("CONSULRUN_SESSION"), attempt=os.environ.get("CONSULRUN_ATTEMPT"))
     began = time.monotonic()
     beat = 1
     while True:

@@ -105,8 +105,10 @@ def run(job: str, command: tuple[str, ...], prefix: str, ttl: int, lock_delay: i
     The job gets CONSULRUN_JOB, CONSULRUN_NODE (Consul's name for this node),
     CONSULRUN_SESSION, CONSULRUN_LOCK_KEY and
     CONSULRUN_FENCING_TOKEN (the lock key's ModifyIndex: larger for every later
-    holder, so the job can refuse a stale holder's write) and CONSULRUN_ATTEMPT
-    (1, then 2, 3, ... for each retry of --attempts) in its environment (a run
+    holder, so the job can refuse a stale holder's write), CONSULRUN_ATTEMPT
+    (1, then 2, 3, ... for each retry of --attempts; a takeover's goes on from
+    the attempts recorded before it) and CONSULRUN_TAKEOVER (1 when the run
+    takes over from a dead runner, else 0) in its environment (a run
     after another job also CONSULRUN_PARENT_JOB, CONSULRUN_PARENT_OCCURRENCE,
     CONSULRUN_PARENT_STATE and CONSULRUN_PARENT_EXIT_STATUS),
     and not the wrapper's Consul credentials, CONSUL_HTTP_TOKEN, CONSUL_HTTP_TOKEN_FILE

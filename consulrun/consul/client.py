@@ -241,12 +241,24 @@ def translated(what: str, read_only: bool = False) -> Iterator[None]:
 # What servers answer while they elect a leader or a new leader catches up, and what a client agent answers
 # while it has lost every server (a one-server cluster restarting: "No known Consul servers" until serf sees
 # one again), and what an agent that has just started answers until the servers have its node in the catalog
-# ("Missing node registration": a session needs the node's registration); worth retrying for a while. Anything
-# else (a bound check in critical state, an unknown session) is an answer, not an outage.
+# ("Missing node registration": a session needs the node's registration), and what they answer for a node that
+# has just come back (a partition healed, an agent restarted) until its serfHealth passes again; worth retrying
+# for a while. Anything else (a bound check of the job's in critical state, an unknown session) is an answer,
+# not an outage.
+SERF_CRITICAL = "Check 'serfHealth' is in critical state"
 _ELECTION_SIGNS = ("No cluster leader", "leadership lost", "not leader", "rpc error getting client",
                    "failed to get conn", "connection refused", "i/o timeout", "EOF", "raft is already shutdown",
                    "Missing check 'serfHealth' registration", "Raft leader not found", "context deadline exceeded",
-                   "No known Consul servers", "Missing node registration")
+                   "No known Consul servers", "Missing node registration", SERF_CRITICAL)
+
+
+def _check_refusal(why: str) -> str:
+    """Consul's refusal of a health-check write, with what it means here: the prefix's external node is
+    registered by the watchdog's first run, so until then Consul knows no node to hold the check."""
+    if "Missing node registration" not in why:
+        return why
+    return (f"{why}: the prefix's health-check node is not registered yet; the watchdog registers it on its "
+            "first run (consulrun-_watchdog.timer, once a minute on one node; `consulrun watchdog` by hand)")
 
 
 def _not_listening(exc: OSError) -> bool:
@@ -521,7 +533,7 @@ class Client:
                 return None
             logging.getLogger("consulrun").warning(
                 "%sthe job's Consul health check was not updated (%s); the result is recorded without it",
-                f"{self.label}: " if self.label else "", refused.why)
+                f"{self.label}: " if self.label else "", _check_refusal(refused.why))
             return self._txn([op for op in ops if "Check" not in op])
 
     def _txn(self, ops: list[dict[str, Any]]) -> list[dict[str, Any]] | None:

@@ -58,6 +58,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("consulrun")
 
+OWN_RUN_MISSED = ("this node's run of an earlier occurrence was still running when the node's next occurrence "
+                  "was due")
 SLOTS_FULL_MISSED = ("every slot was held (lock.concurrency nodes at a time) until the node's next occurrence was "
                      "due")
 
@@ -140,6 +142,22 @@ def acquire(locker: Locker, ledger: NodeLedger, occ: Occurrence, wait_s: float,
             return result
 
 
+def _await_own_run(locker: Locker, ledger: NodeLedger, occ: Occurrence, snap: Snapshot,
+                   bound: float) -> tuple[Held | None, dict[str, Any] | None, str] | None:
+    """Wait, with blocking reads of the node's record (no write), for this node's run of an earlier occurrence
+    to end; at the bound record `occ` missed for this node (its history entry only: the record is the live
+    run's until it ends). Only the run's own end, or its session's death, settles it."""
+    remaining = bound - clock()
+    earlier = printable((snap.record or {}).get("occurrence"))
+    if remaining <= 0:
+        return None, None, _record_missed(locker, ledger, occ, snap, OWN_RUN_MISSED)
+    locker.abandon()  # a session must not outlive its TTL unrenewed while we wait
+    locker.say_waiting("own-run", f"this node's run of occurrence {earlier} is still running; waiting for it to "
+                                  f"end for up to {duration(remaining)} (a node runs one occurrence at a time)")
+    ledger.await_claim(snap, min(remaining, 300))
+    return None
+
+
 def _step(locker: Locker, ledger: NodeLedger, occ: Occurrence, bound: float, retry: LockDelayRetry,
           look: dict[str, Any]) -> tuple[Held | None, dict[str, Any] | None, str] | None:
     snap, slots = ledger.look(consistent=look["consistent"])
@@ -175,6 +193,8 @@ def _step(locker: Locker, ledger: NodeLedger, occ: Occurrence, bound: float, ret
         return None, None, f"occurrence {occ.id} {how}"
     if late := _past_start_deadline(occ, look):
         return None, None, _record_missed(locker, ledger, occ, snap, late)
+    if snap.runner_alive():  # this node's run of an earlier occurrence goes on: one occurrence at a time
+        return _await_own_run(locker, ledger, occ, snap, bound)
     free = [key for key in ledger.slot_keys if not slots.get(key, {}).get("Session")]
     if free and clock() < bound:
         claimed: dict[str, Any] = {}

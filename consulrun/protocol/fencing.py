@@ -1,4 +1,4 @@
-"""Fencing arithmetic (DESIGN.md): how long a holder may go unconfirmed before its job must be dead.
+"""Fencing arithmetic (docs/design.md): how long a holder may go unconfirmed before its job must be dead.
 
 Consul may free the lock at any moment after the last answer the holder got
 (a health check can fail right after a renewal) and re-grants it no earlier

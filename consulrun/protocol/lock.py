@@ -4,7 +4,7 @@ Keys of a job live under `<prefix>/<job>/`: `lock` when one holder is
 allowed, `slots/<n>` when `--concurrency N` allows N. A node that finds every
 slot held decides with one read and no Raft writes.
 
-Fencing follows DESIGN.md: Consul may free the lock at any moment after the
+Fencing follows docs/design.md: Consul may free the lock at any moment after the
 last answer the holder got (a health check can fail right after a renewal) and
 re-grants it no earlier than lock-delay later. So the holder confirms the lock
 with consistent blocking reads and must have its job dead within lock-delay of
@@ -12,7 +12,7 @@ the last confirmation, grace period included.
 
 Why this module is long: acquiring, confirming, fencing and releasing one session lock are
 one state machine whose every step must be read with the others to see what holds at each
-instant (DESIGN.md); the mutation groups name its functions in place.
+instant (docs/design.md); the mutation groups name its functions in place.
 """
 
 from __future__ import annotations

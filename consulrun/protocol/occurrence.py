@@ -234,14 +234,16 @@ class Ledger:
                  # Where its output is: `consulrun logs` reads that host's journal by the invocation id.
                  **{k: holder[k] for k in WHERE_IT_RAN if holder.get(k)}}
         ops = [kv_op("cas", self.record_key, claim, Index=snap.record_index),
-               pause.unchanged_op(self.base, snap.pause_index), *self._close_earlier(occ, record)]
+               pause.unchanged_op(self.base, snap.pause_index), *self._close_earlier(occ, snap)]
         return ops, claim
 
-    def _close_earlier(self, occ: Occurrence, record: dict[str, Any]) -> list[dict[str, Any]]:
+    def _close_earlier(self, occ: Occurrence, snap: Snapshot) -> list[dict[str, Any]]:
         """What claiming `occ` settles of the record's earlier occurrence: a run whose runner died before it
         recorded a result goes into the history as abandoned, and, now that nobody can take it over, the runs
-        chained after its end are asked for (under `retry` also those of one recorded lost or abandoned)."""
-        if record.get("occurrence", "") >= occ.id:
+        chained after its end are asked for (under `retry` also those of one recorded lost or abandoned).
+        A run whose session still holds the lock is settled by nobody but itself."""
+        record = snap.record or {}
+        if record.get("occurrence", "") >= occ.id or snap.runner_alive():
             return []
         if record.get("state") == "running":
             final = _final(record, "abandoned", ABANDONED_REASON)
@@ -265,8 +267,12 @@ class Ledger:
         missed = {"occurrence": occ.id, "state": "missed", "node": None, "recorded_by": node, "reason": reason,
                   "ended": now_iso(), "schedule": list(occ.specs), "zone": calendar.local_zone_name(),
                   "zone_offsets": calendar.zone_offsets(occ.when)}
+        if snap.runner_alive():
+            # The record is a live run's (an earlier occurrence that outlived its interval): its result is
+            # written over it at its end. This occurrence's history entry alone says it was missed, once.
+            return [kv_op("cas", self.history_key(occ.id), missed, Index=0)]
         return [kv_op("cas", self.record_key, missed, Index=snap.record_index),
-                kv_op("set", self.history_key(occ.id), missed), *self._close_earlier(occ, snap.record or {}),
+                kv_op("set", self.history_key(occ.id), missed), *self._close_earlier(occ, snap),
                 *self.health_ops(missed)]
 
     def finish_ops(self, claim: dict[str, Any], outcome: dict[str, Any], claim_index: int,
@@ -370,14 +376,18 @@ def _same_zone(record: dict[str, Any], occ: Occurrence) -> None:
                          "schedule (e.g. '*-*-* 02:00:00 Europe/Berlin')")
 
 
-ABANDONED_REASON = "its runner's session ended before a result was recorded (the runner or its node died)"
+ABANDONED_REASON = ("its runner's session ended before a result was recorded: the runner was killed, its node "
+                    "died, or it lost touch with Consul and stopped its job itself (fenced, exit 75)")
 
 
 def _final(record: dict[str, Any], state: str, reason: str) -> dict[str, Any]:
     """`record` closed as `state`; a state already final (lost with its own reason) is kept."""
     if record.get("state") in FAILED_STATES:
         return dict(record)
-    return {**record, "state": state, "reason": reason, "ended": now_iso()}
+    final = {**record, "state": state, "reason": reason, "ended": now_iso()}
+    if record.get("retry_at") and str(record.get("started")) > final["ended"]:
+        final.pop("started")  # closed in its backoff, before the retry was due: that attempt never started
+    return final
 
 
 def acquire(locker: Locker, ledger: Ledger, occ: Occurrence, policy: str, wait_s: float, by_timer: bool = True,

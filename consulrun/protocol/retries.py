@@ -81,17 +81,24 @@ def next_due(schedules: tuple[str, ...], claim: dict[str, Any] | None) -> dateti
     return calendar.following(list(schedules), when)
 
 
-def why_not(policy: RetryPolicy, attempt: int, status: int, stopped: bool, due: datetime | None,
+def runs_made(claim: dict[str, Any] | None) -> int:
+    """The runs of the claimed occurrence its record counts before this attempt: each earlier attempt that
+    failed by itself (`retried`). An attempt lost or abandoned (killed, its node dead, never started) did not
+    end by itself: `on_holder_loss: retry` runs it again, and it does not count (docs/guarantees.md)."""
+    return sum(1 for entry in (claim or {}).get("earlier", []) if entry.get("retried"))
+
+
+def why_not(policy: RetryPolicy, ran: int, status: int, stopped: bool, due: datetime | None,
             now: datetime) -> str | None:
-    """None if the failed `attempt` is to be retried now that it ended with `status`, else why not ('' if the
-    run is simply over: it succeeded, or it may be run only once)."""
+    """None if the failed attempt, the `ran`-th run of the occurrence, is to be retried now that it ended with
+    `status`, else why not ('' if the run is simply over: it succeeded, or it may be run only once)."""
     if status == 0 or policy.attempts <= 1:
         return ""
     if stopped:
         return "the run was stopped by a termination signal, which ends it"
-    if attempt >= policy.attempts:
+    if ran >= policy.attempts:
         return f"it was the last of {policy.attempts} attempts"
-    backoff = policy.backoff_s(attempt)
+    backoff = policy.backoff_s(ran)
     if due is not None and now + timedelta(seconds=backoff) >= due:
         return (f"the next occurrence ({calendar.occurrence_id(due)}) is due before a retry in "
                 f"{duration(backoff)}")
@@ -153,13 +160,14 @@ def between(policy: RetryPolicy, locker: Locker, ledger: Ledger | None, held: He
     if outcome.get("lost") or not isinstance(status, int) or ledger is None or claim is None:
         return claim, held, ""
     job = locker.spec.job
-    why = why_not(policy, attempt, status, stopped, due, datetime.now(timezone.utc))
+    ran = runs_made(claim) + 1  # counted from the record, not from this process: a takeover goes on from it
+    why = why_not(policy, ran, status, stopped, due, datetime.now(timezone.utc))
     if why:
         log.warning("%s: attempt %d of %d failed (exit status %d); no retry: %s", job, attempt, policy.attempts,
                     status, why)
     if why is not None:
         return claim, held, why
-    backoff = policy.backoff_s(attempt)
+    backoff = policy.backoff_s(ran)
     made = record_failed_attempt(locker, ledger, held, claim, outcome, backoff)
     if made is None:
         return claim, held, "the failed attempt could not be recorded"

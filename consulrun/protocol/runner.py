@@ -32,7 +32,7 @@ import time
 from datetime import datetime, timezone
 from types import FrameType
 
-from consulrun.consul.client import CREDENTIAL_VARIABLES, Client, ConsulConfig
+from consulrun.consul.client import CREDENTIAL_VARIABLES, SERF_CRITICAL, Client, ConsulConfig
 from consulrun.consul.values import printable
 from consulrun.errors import ConsulrunError, ConsulUnavailable, ExitCode, JobNotStarted, UsageError
 from consulrun.protocol import testhook
@@ -255,7 +255,8 @@ def _job_environment(held: Held, spec: LockSpec, claim: dict[str, object] | None
         env.pop(name, None)
     env.update({"CONSULRUN_JOB": spec.job, "CONSULRUN_NODE": node, "CONSULRUN_SESSION": held.session,
                 "CONSULRUN_LOCK_KEY": held.key,
-                "CONSULRUN_FENCING_TOKEN": str(held.fencing_token), "CONSULRUN_ATTEMPT": str(attempt)})
+                "CONSULRUN_FENCING_TOKEN": str(held.fencing_token), "CONSULRUN_ATTEMPT": str(attempt),
+                "CONSULRUN_TAKEOVER": "1" if claim and claim.get("takeover") else "0"})
     if claim and claim.get("manual"):
         env["CONSULRUN_MANUAL"] = str(claim.get("requested_by"))
     elif claim and claim.get("after"):
@@ -286,6 +287,9 @@ def _not_ready_yet(exc: ConsulUnavailable) -> str:
     """Why `exc` at start may be Consul not ready yet rather than an outage ('' if it is an outage): servers
     electing a leader or an agent that has just started (its node not yet registered) answer so, and nothing
     listens yet at the address of an agent still starting, which it can be only while the system boots."""
+    if exc.transient and SERF_CRITICAL in str(exc):
+        return "a node's own serfHealth is critical for a moment after it rejoins (a partition healed, its agent " \
+            "restarted)"
     if exc.transient:  # an agent holds a request while its servers elect a leader: a read's timeout is one too
         return "an agent still starting or servers electing a leader answer so"
     if exc.not_listening:
@@ -415,6 +419,7 @@ def _run_held(request: RunRequest, locker: Locker, held: Held, fencing: Fencing,
              printable(locker.node_name()), held.session, held.fencing_token)
     watcher = Watcher(locker.client, spec, held, fencing)
     job: Job | None = None
+    before: tuple[Any, ...] | None = None
     outcome: dict[str, Any] = {}
     status: int = ExitCode.SOFTWARE
     from consulrun.protocol.notify import Pings
@@ -430,7 +435,9 @@ def _run_held(request: RunRequest, locker: Locker, held: Held, fencing: Fencing,
         from consulrun.protocol.child import Job, become_subreaper
 
         become_subreaper()
-        attempt, before = 1, None  # before: the previous attempt's (claim, outcome, status), while retrying
+        # The attempt's number is the record's (a takeover's goes on from the attempts recorded before it).
+        attempt, before = int((claim or {}).get("attempt") or 1), None  # before: the previous attempt's
+        # (claim, outcome, status), while retrying
         if request.attempts > 1:
             from consulrun.protocol import retries
 
@@ -526,9 +533,17 @@ def _run_held(request: RunRequest, locker: Locker, held: Held, fencing: Fencing,
         log.error("%s: lock lost before the job started: %s; the job is not started", spec.job, exc)
         return ExitCode.LOCK_LOST
     except JobNotStarted as exc:
-        outcome = {"lost": str(exc), NOT_STARTED: True}
         status = exc.exit_code
         log.error("%s: %s", spec.job, exc.message)
+        if before is None:
+            outcome = {"lost": str(exc), NOT_STARTED: True}
+            return status
+        # The job ran before: a retry that cannot start is a failed attempt, and the last (the run is done,
+        # and a chained run's request is spent: it never comes back).
+        outcome = {"exit_status": status, "ended": _now(), "not_started": exc.message,
+                   "retries_ended": f"attempt {attempt} could not be started"}
+        log.warning("%s: attempt %d could not be started; no further attempt: its exit status %d stands",
+                    spec.job, attempt, status)
         return status
     except Exception as exc:  # noqa: BLE001 - after the fork nothing may escape before the job is dead
         log.error("%s: consulrun failed after taking the lock (%s: %s); stopping the job", spec.job,
@@ -724,8 +739,9 @@ def _record_and_release(locker: Locker, held: Held, ledger: occurrence.Ledger | 
         return True
     snap = ledger.snapshot(consistent=True)
     record = snap.record or {}
-    this_attempt = (record.get("occurrence"), record.get("session"), record.get("attempt")) == \
-        (claim["occurrence"], held.session, claim.get("attempt"))
+    # Ours: our session's record of this occurrence, whichever attempt it names (a retry's record, written
+    # before its backoff was cut short, names the next one). Only our session writes its id into the record.
+    this_attempt = (record.get("occurrence"), record.get("session")) == (claim["occurrence"], held.session)
     if snap.holder_session == held.session:
         if not this_attempt:  # the record moved while we held the lock: never expected; free the lock anyway
             log.warning("%s: the occurrence record changed while this node held the lock; result not recorded", job)

@@ -1,0 +1,245 @@
+"""Where features meet: retries x takeovers x chains x each-node x start deadlines, against a real agent.
+
+Each test is one break an independent review found (issue 37), decided by a kill, an unlock or a restart
+landing inside a retry's backoff, or by a job outliving its interval; none depends on timing luck: the tests
+wait for the state that decides the break (a record in its backoff, a job running, the next occurrence due)
+before they act. The rules they hold (docs/design.md, *Core and features*): a live holder is settled only by
+its session's death; an attempt is counted from the record, not from the process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from datetime import datetime, timezone
+from pathlib import Path
+
+import pytest
+
+from consulrun.manifest import calendar
+from tests.harness.agents import Agent, wait_for
+from tests.harness.runs import cli, consulrun, finish, kv_json, kv_keys
+
+DAILY = "*-*-* 02:00:00"  # the current occurrence is in the past, the next up to a day away: never in the way
+EVERY_10S = "*:*:0/10"
+
+pytestmark = pytest.mark.consul
+
+
+def history(job: str) -> list[dict]:
+    code, out, err = cli("history", job, "--json")
+    assert code == 0, err
+    return json.loads(out)["runs"]
+
+
+def counting_job(runs: Path, code: int) -> list[str]:
+    """A job that appends `<its CONSULRUN_ATTEMPT> <CONSULRUN_TAKEOVER>` to `runs` and exits `code`."""
+    return ["sh", "-c", f'echo "$CONSULRUN_ATTEMPT ${{CONSULRUN_TAKEOVER:-0}}" >> {runs}; exit {code}']
+
+
+def lines(path: Path) -> list[str]:
+    return path.read_text().splitlines() if path.exists() else []
+
+
+def gated(started: Path, go: Path, code: int = 0) -> list[str]:
+    """A job that says it started and runs until the test lets it end, then exits `code`."""
+    return ["sh", "-c", f"touch {started}; while [ ! -e {go} ]; do sleep 0.1; done; exit {code}"]
+
+
+def occurrence_now(spec: str) -> str:
+    return calendar.occurrence_id(calendar.previous([spec], datetime.now(timezone.utc)))
+
+
+def wait_for_next_occurrence(spec: str, after: str, timeout: float = 30) -> str:
+    """Wait until an occurrence later than `after` is the current one, and return it."""
+    return wait_for(lambda: occurrence_now(spec) if occurrence_now(spec) > after else None, timeout,
+                    f"an occurrence of {spec} after {after}")
+
+
+def fresh_occurrence(spec: str, within_s: float = 2.0) -> str:
+    """Wait until an occurrence of `spec` began at most `within_s` ago (a run started now starts in time)."""
+    def fresh() -> str | None:
+        now = datetime.now(timezone.utc)
+        when = calendar.previous([spec], now)
+        return calendar.occurrence_id(when) if (now - when).total_seconds() <= within_s else None
+    return wait_for(fresh, 15, f"a fresh occurrence of {spec}", interval=0.05)
+
+
+def kill_wrapper(proc) -> None:
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.communicate(timeout=10)
+
+
+# --- 1. a chained child whose retry cannot start ----------------------------------------------------------------
+
+def test_a_chained_retry_that_cannot_start_is_a_failed_attempt_not_a_request_given_back(
+        consul: Agent, tmp_path: Path) -> None:
+    """Attempt 1 of the chained child exits 1, attempt 2 cannot be exec'd (the script lost its x bit): the job
+    ran, so the run after the parent is done (its history entry stays, no request comes back) and a second
+    chain-watch start finds nothing pending."""
+    parent = finish(consulrun("run", "--schedule", DAILY, "--then", "c:always", "p", "--", "true"))
+    assert parent[0] == 0, parent[2]
+    assert kv_keys(consul, "consulrun/c/after/"), "the parent's end asked for no run of c"
+    script, runs = tmp_path / "child.sh", tmp_path / "runs"
+    script.write_text(f"#!/bin/sh\necho run >> {runs}\nchmod -x {script}\nexit 1\n")
+    script.chmod(0o755)
+    code, _, err = finish(consulrun("run", "--after", "p", "--attempts", "2", "--retry-backoff", "1s", "c", "--",
+                                    str(script)))
+    assert lines(runs) == ["run"], err
+    assert code == 127, err  # the last attempt's: it could not be started (exec: permission denied)
+    assert kv_keys(consul, "consulrun/c/after/") == [], "the request came back: another node would run c again"
+    rows = history("c")  # one row per attempt, newest first
+    assert [(r["attempt"], r["state"], r["exit_status"]) for r in rows] == [(2, "done", 127), (1, "done", 1)], rows
+    again = finish(consulrun("run", "--after", "p", "c", "--", "true"))
+    assert again[0] == 0 and "no run after p is pending" in again[2], again[2]
+    assert lines(runs) == ["run"]
+
+
+# --- 2. attempts after a takeover ---------------------------------------------------------------------------------
+
+def test_a_takeover_in_the_backoff_never_exceeds_attempts_and_the_job_knows_its_attempt(
+        consul: Agent, tmp_path: Path) -> None:
+    """attempts: 2, a job that always fails; the holder's wrapper is SIGKILLed in the backoff after attempt 1
+    (attempt 2 never started) and reaped: the standby takes over and runs once more - two runs in all - and its
+    job's CONSULRUN_ATTEMPT is the number history gives that run, with CONSULRUN_TAKEOVER=1."""
+    runs = tmp_path / "runs"
+    args = ("run", "--schedule", DAILY, "--on-holder-loss", "retry", "--attempts", "2", "--retry-backoff", "20s",
+            "--lock-delay", "5s", "--ttl", "10s", "budget", "--", *counting_job(runs, 4))
+    holder = consulrun(*args)
+    try:
+        wait_for(lambda: (kv_json(consul, "consulrun/budget/occurrence") or {}).get("attempt") == 2, 30,
+                 "the holder's backoff after attempt 1")
+        log = tmp_path / "standby.log"
+        with log.open("w") as handle:
+            standby = consulrun(*args, stderr=handle)
+        wait_for(lambda: "standing by" in log.read_text(), 20, "the standby to stand by")
+        kill_wrapper(holder)
+        code, _, err = cli("reap", "budget")
+        assert code == 0, err
+        scode = finish(standby, timeout=90)[0]
+        serr = log.read_text()
+    finally:
+        for proc in (holder,):
+            if proc.poll() is None:
+                kill_wrapper(proc)
+    assert scode == 4, serr
+    assert len(lines(runs)) == 2, (lines(runs), serr)  # attempts: 2 is two runs in all
+    record = kv_json(consul, "consulrun/budget/occurrence")
+    assert record["state"] == "done" and record["takeover"] is True, record
+    assert lines(runs)[1] == f"{record['attempt']} 1", (lines(runs), record)
+    for earlier in record["earlier"]:  # the attempt that never started does not claim a start after its end
+        assert not earlier.get("started") or earlier["started"] <= earlier["ended"], earlier
+
+
+# --- 3. a lock lost in the backoff --------------------------------------------------------------------------------
+
+def test_a_lock_lost_in_the_backoff_still_records_the_last_attempts_result(consul: Agent, tmp_path: Path) -> None:
+    """A forced unlock one moment into the backoff ends the retries; nobody took the occurrence over, so the
+    failed attempt's result is recorded: done, its exit status, a history entry - never left `running`."""
+    runs = tmp_path / "runs"
+    runner = consulrun("run", "--schedule", DAILY, "--attempts", "3", "--retry-backoff", "30s", "lb", "--",
+                       *counting_job(runs, 6))
+    try:
+        wait_for(lambda: (kv_json(consul, "consulrun/lb/occurrence") or {}).get("attempt") == 2, 20, "the backoff")
+        code, _, err = cli("unlock", "lb", "--yes", "--force")
+        assert code == 0, err
+        code, _, err = finish(runner, timeout=30)
+    finally:
+        if runner.poll() is None:
+            kill_wrapper(runner)
+    assert code == 6, err
+    assert "taken over meanwhile" not in err, err
+    record = kv_json(consul, "consulrun/lb/occurrence")
+    assert record["state"] == "done" and record["exit_status"] == 6 and record["attempt"] == 1, record
+    assert record.get("retries_ended"), record
+    [entry] = history("lb")
+    assert entry["state"] == "done" and entry["exit_status"] == 6, entry
+    assert len(lines(runs)) == 1
+
+
+# --- 4. each-node: a node's own live run -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("concurrency", [1, 2])
+def test_each_node_never_settles_its_own_live_run_nor_runs_two_occurrences_at_once(
+        consul: Agent, tmp_path: Path, concurrency: int) -> None:
+    """A node's run of occurrence T outlives the interval; the node's timer fires for T+10s. With a free slot
+    (concurrency 2) it waits for its own run rather than run two occurrences at once; without one (1) it
+    records T+10s missed for itself at its bound. Either way T's run is never written abandoned and its result
+    (exit 0) is recorded."""
+    started, go, runs2 = tmp_path / "started", tmp_path / "go", tmp_path / "runs2"
+    base = ("run", "--each-node", "--concurrency", str(concurrency), "--schedule", EVERY_10S,
+            "--lock-delay", "5s", "--ttl", "10s", "en")
+    fresh_occurrence(EVERY_10S)
+    first = consulrun(*base, "--", *gated(started, go))
+    second = None
+    try:
+        wait_for(started.exists, 20, "the first run")
+        record = wait_for(lambda: kv_json(consul, f"consulrun/en/nodes/{consul.name}/occurrence"), 10, "its record")
+        first_occ = record["occurrence"]
+        wait_for_next_occurrence(EVERY_10S, first_occ)
+        log = tmp_path / "second.log"
+        with log.open("w") as handle:
+            second = consulrun(*base, "--", "sh", "-c", f"echo ran >> {runs2}", stderr=handle)
+        if concurrency == 2:
+            wait_for(lambda: "still running" in log.read_text() or second.poll() is not None, 20,
+                     "the second wrapper to wait for the first run")
+            assert second.poll() is None and not runs2.exists(), log.read_text()
+        else:
+            assert finish(second, timeout=30)[0] == 0, log.read_text()
+        go.touch()
+        assert finish(first, timeout=30)[0] == 0
+        if second.poll() is None or concurrency == 2:
+            assert finish(second, timeout=30)[0] == 0, log.read_text()
+    finally:
+        go.touch()
+        for proc in (first, second):
+            if proc is not None and proc.poll() is None:
+                kill_wrapper(proc)
+    node_history = {e["occurrence"]: e for e in history("en")}
+    assert node_history[first_occ]["state"] == "done", node_history
+    assert node_history[first_occ].get("exit_status") == 0, node_history
+    later = [e for occ, e in node_history.items() if occ > first_occ]
+    assert len(later) == 1, node_history
+    if concurrency == 2:
+        assert later[0]["state"] == "done" and lines(runs2) == ["ran"], node_history
+        assert later[0]["started"] >= node_history[first_occ]["ended"], node_history  # never two at once
+    else:
+        assert later[0]["state"] == "missed" and not runs2.exists(), node_history
+
+
+# --- 5. a start deadline beside a live run ----------------------------------------------------------------------
+
+def test_a_start_deadline_records_its_own_occurrence_missed_and_leaves_the_live_run_alone(
+        consul: Agent, tmp_path: Path) -> None:
+    """P's occurrence T runs past the interval; a node whose timer fires late for T+10s (past its 5s start
+    deadline) records T+10s missed and nothing else: T is not written abandoned, no `failure` run is asked
+    for, and when T's job exits 0 its result lands and the `success` child is asked for."""
+    started, go = tmp_path / "started", tmp_path / "go"
+    base = ("run", "--schedule", EVERY_10S, "--start-deadline", "5s", "--then", "s:success", "--then",
+            "f:failure", "--lock-delay", "5s", "--ttl", "10s", "P")
+    fresh_occurrence(EVERY_10S)
+    first = consulrun(*base, "--", *gated(started, go))
+    try:
+        wait_for(started.exists, 20, "P's run")
+        first_occ = kv_json(consul, "consulrun/P/occurrence")["occurrence"]
+        later = wait_for_next_occurrence(EVERY_10S, first_occ)
+        when = datetime.strptime(later, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=timezone.utc)
+        wait_for(lambda: (datetime.now(timezone.utc) - when).total_seconds() > 6, 10, "the start deadline")
+        code, _, err = finish(consulrun(*base, "--", "true"))
+        assert code == 0 and "missed" in err, err
+        record = kv_json(consul, "consulrun/P/occurrence")
+        assert record["occurrence"] == first_occ and record["state"] == "running", record
+        assert kv_keys(consul, "consulrun/f/after/") == [], "a failure run was asked for a run still going"
+        go.touch()
+        code, _, err = finish(first, timeout=30)
+    finally:
+        go.touch()
+        if first.poll() is None:
+            kill_wrapper(first)
+    assert code == 0, err
+    runs = {e["occurrence"]: e for e in history("P")}
+    assert runs[first_occ]["state"] == "done" and runs[first_occ]["exit_status"] == 0, runs
+    assert runs[later]["state"] == "missed", runs
+    assert kv_keys(consul, "consulrun/s/after/"), "the success child was not asked for"
+    assert kv_keys(consul, "consulrun/f/after/") == []
