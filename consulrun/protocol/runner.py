@@ -694,39 +694,59 @@ def _close(locker: Locker, held: Held, ledger: occurrence.Ledger | None, claim: 
     locker.abandon()
 
 
-def _record_and_release(locker: Locker, held: Held, ledger: occurrence.Ledger | None, claim: dict[str, Any] | None,
-                        outcome: dict[str, Any], check: Callable[[dict[str, Any]], dict[str, Any]] | None = None) -> bool:
+def _record_and_release(locker: Locker, held: Held, ledger: occurrence.Ledger | None,
+                        claim: dict[str, Any] | None, outcome: dict[str, Any],
+                        check: Callable[[dict[str, Any]], dict[str, Any]] | None = None) -> bool:
     """One attempt; True if the lock was released by it (or by an earlier attempt whose answer was lost)."""
-    job = locker.spec.job
     not_started = bool(outcome.get(NOT_STARTED))
     outcome = {k: v for k, v in outcome.items() if k != NOT_STARTED}  # a mark for here, never recorded
     if not (ledger and claim):
-        if locker.release(held, outcome, check=check) or locker.released_by_us(held):
-            return True  # (or an earlier attempt went through and its answer was lost)
-        # Fenced (a forced unlock, the session invalidated): the key's value is this run's only record.
-        end = outcome or {"lost": "consulrun stopped before the job ended"}
-        if locker.record_end(held.key, held.session, end, over_abandoned=True, check=check):
-            log.warning("%s: the lock was no longer ours when the job ended; the result is recorded (%s)", job,
-                        "lost" if end.get("lost") else f"exit status {end.get('exit_status')}")
-        else:
-            log.warning("%s: the lock was no longer ours when the job ended and is held again or its run's end "
-                        "recorded; this run's result is not recorded", job)
-        return False
+        return _finish_plain(locker, held, outcome, check)
+    if claim.get("manual") or claim.get("after"):
+        return _finish_unscheduled(locker, held, ledger, claim, outcome, not_started)
+    return _finish_occurrence(locker, held, ledger, claim, outcome)
+
+
+def _finish_plain(locker: Locker, held: Held, outcome: dict[str, Any],
+                  check: Callable[[dict[str, Any]], dict[str, Any]] | None) -> bool:
+    """A run without --schedule: the lock key's value is its only record."""
+    job = locker.spec.job
+    if locker.release(held, outcome, check=check) or locker.released_by_us(held):
+        return True  # (or an earlier attempt went through and its answer was lost)
+    # Fenced (a forced unlock, the session invalidated): the key's value is this run's only record.
+    end = outcome or {"lost": "consulrun stopped before the job ended"}
+    if locker.record_end(held.key, held.session, end, over_abandoned=True, check=check):
+        log.warning("%s: the lock was no longer ours when the job ended; the result is recorded (%s)", job,
+                    "lost" if end.get("lost") else f"exit status {end.get('exit_status')}")
+    else:
+        log.warning("%s: the lock was no longer ours when the job ended and is held again or its run's end "
+                    "recorded; this run's result is not recorded", job)
+    return False
+
+
+def _finish_unscheduled(locker: Locker, held: Held, ledger: occurrence.Ledger, claim: dict[str, Any],
+                        outcome: dict[str, Any], not_started: bool) -> bool:
+    """A manual or chained run: no occurrence, its history entry is all it records."""
     if claim.get("after") and not_started:
         # A chained run claimed but never started (a stop, a lost lock, its command missing) gives its request
         # back, so a node runs it: no history entry, and no run chained after it.
         ops = ledger.requeue_ops(claim)
-        if locker.release(held, outcome, ops):
-            return True
-        locker.client.txn(ops)
-        return False
-    if claim.get("manual") or claim.get("after"):  # no occurrence: its history entry is all it records
+    else:
         state = "lost" if outcome.get("lost") or not outcome else "done"
-        ops = ledger.manual_finish_ops(claim, {"reason": outcome["lost"]} if outcome.get("lost") else outcome, state)
-        if locker.release(held, outcome, ops):
-            return True
-        locker.client.txn(ops)
-        return False
+        result = {"reason": outcome["lost"]} if outcome.get("lost") else outcome
+        ops = ledger.manual_finish_ops(claim, result, state)
+    if locker.release(held, outcome, ops):
+        return True
+    locker.client.txn(ops)
+    return False
+
+
+def _finish_occurrence(locker: Locker, held: Held, ledger: occurrence.Ledger, claim: dict[str, Any],
+                       outcome: dict[str, Any]) -> bool:
+    """A scheduled occurrence: its record check-and-set on the index our claim (or our last write) left it
+    at, with the release; if the lock is gone, over the record as we left it, unless another node took the
+    occurrence over."""
+    job = locker.spec.job
     failed = bool(outcome.get("lost")) or not outcome
     reason = outcome.get("lost") or "consulrun stopped before the job ended"
 
@@ -744,16 +764,19 @@ def _record_and_release(locker: Locker, held: Held, ledger: occurrence.Ledger | 
     this_attempt = (record.get("occurrence"), record.get("session")) == (claim["occurrence"], held.session)
     if snap.holder_session == held.session:
         if not this_attempt:  # the record moved while we held the lock: never expected; free the lock anyway
-            log.warning("%s: the occurrence record changed while this node held the lock; result not recorded", job)
+            log.warning("%s: the occurrence record changed while this node held the lock; result not "
+                        "recorded", job)
             return locker.release(held, outcome)
         return locker.release(held, outcome, ops_at(snap.record_index))  # it moved by a write of ours
-    if this_attempt and record.get("state") == ("lost" if failed else "done") and \
-            record.get("exit_status") == outcome.get("exit_status") and (not failed or record.get("reason") == reason):
+    same_end = record.get("state") == ("lost" if failed else "done") and \
+        record.get("exit_status") == outcome.get("exit_status") and \
+        (not failed or record.get("reason") == reason)
+    if this_attempt and same_end:
         return True  # an earlier attempt of this finish went through; its answer was lost
     if this_attempt and record.get("state") in ("running", "abandoned"):
-        # The lock is gone (our session ended) but nobody took the occurrence over: record what really happened,
-        # also over another node's "abandoned" guess. That guess, if final (not under `retry`, where a standby
-        # may still run it), already asked for the runs chained after it: one parent end asks once.
+        # The lock is gone (our session ended) but nobody took the occurrence over: record what really
+        # happened, also over another node's "abandoned" guess. That guess, if final (not under `retry`, where
+        # a standby may still run it), already asked for the runs chained after it: one parent end asks once.
         chain = record.get("state") != "abandoned" or ledger.policy == "retry"
         if locker.client.txn(ops_at(snap.record_index, chain), optional_checks=True) is not None:
             log.warning("%s: the lock was no longer ours when the job ended; the result is recorded (%s)", job,
