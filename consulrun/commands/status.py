@@ -17,7 +17,8 @@ Exit status (for monitoring checks; the first that applies wins):
      (a line on stderr names its key), the other jobs as they are
   5  a lock is held by a session that is gone, whose bound check is critical,
      or (seen from the holder's own node) whose wrapper process is dead
-  3  missed: a due occurrence was claimed by no node in time
+  3  missed: a due occurrence was claimed by no node in time, or a chained
+     run asked of a job was taken by no node in time (stalled)
   4  overdue: a run has lasted longer than its job's timeout
   1  a job's last run failed, was lost or was abandoned
   0  all of the above are fine (a bound check in warning does not count:

@@ -30,7 +30,7 @@ from consulrun.protocol.health import LAST_FIELDS
 from consulrun.protocol.occurrence import future_limit, future_text
 from consulrun.protocol.pause import EPISODES, in_force as pause_in_force, since as pause_skips, value_of as pause_value_of
 from consulrun.protocol.turns import TURN_MAX_S
-from consulrun.report import eachnode
+from consulrun.report import chains, eachnode
 from consulrun.timefmt import parse_time, seconds_between
 
 if TYPE_CHECKING:  # `run` (the health check of its finish) must not pay for the manifest validator
@@ -70,6 +70,8 @@ PROBLEM_HEALTH = {"unhealthy": Health.HOLDER_UNHEALTHY, "missed": Health.MISSED,
                   "unplaced": Health.MISSED,  # no healthy node may run it: its occurrences run nowhere
                   # an each-node job's node is down: its share runs nowhere
                   "node-down": Health.MISSED,
+                  # a chained run asked of the job that no node took (report/chains.py)
+                  "stalled": Health.MISSED,
                   "malformed_value": Health.MALFORMED_VALUE}
 
 
@@ -369,6 +371,7 @@ def judge_job(name: str, keys: dict[str, dict[str, Any]], manifest: Manifest | N
     _clock_findings(status, keys, now)
     _recorded_misses(status, keys, record, now)
     _overdue_holders(status, expect, now)
+    chains.judge(status, keys, job, now)
     return status
 
 
