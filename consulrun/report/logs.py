@@ -93,8 +93,8 @@ def run_node(client: Client, job: str, row: dict[str, Any]) -> tuple[str, str]:
 
     node = row.get("node")
     session = row.get("session")
-    live = isinstance(session, str) and re.fullmatch(_UUID, session)
-    info = client.session_visible(session) if live else None
+    shaped = isinstance(session, str) and re.fullmatch(_UUID, session)  # else no session to ask
+    info = client.session_visible(session) if shaped else None
     if info and info.get("Node"):
         node = info["Node"]
     found = client.catalog_node(quote(node, safe="")) if isinstance(node, str) and node else None
