@@ -17,8 +17,8 @@ OUTPUTS = ("short-iso", "cat", "short-precise", "verbose", "json")
 @click.option("--attempt", type=click.IntRange(1), metavar="N",
               help="Attempt N of the occurrence (after a takeover there are several) [default: the last].")
 @click.option("--host", "ssh_host", metavar="[USER@]HOST",
-              help="Read the journal on this host over ssh [default: the host the run recorded, over ssh unless it "
-                   "is this one].")
+              help="Read the journal on this host over ssh [default: the catalog address of "
+                   "the node that ran it, over ssh unless it is this one].")
 @ssh_option
 @click.option("-o", "--output", type=click.Choice(OUTPUTS), default="short-iso", show_default=True,
               help="journalctl's output mode (cat: only what the run printed).")
@@ -29,16 +29,17 @@ def logs(targets: tuple[str, ...], prefix: str | None, attempt: int | None, ssh_
 
     The run is OCCURRENCE's (as `history` names it, e.g. 2026-12-01T02:00:00Z,
     or as its key in the Consul UI does, 20261201T020000Z), else the newest
-    run. Its row in the history names the host and the
-    systemd invocation id; its lines (consulrun's and the job's) are read with
-    `journalctl _SYSTEMD_INVOCATION_ID=...` on that host: here if it is this
-    host, else over ssh (BatchMode, as `install --host`). Nothing of a run's
-    output is kept in Consul. Exit 6 if there is no such run, or the journal no
-    longer has it; 1 if journalctl or ssh failed.
+    run. Its row in the history names the node and the systemd invocation id;
+    its lines (consulrun's and the job's) are read with
+    `journalctl _SYSTEMD_INVOCATION_ID=...` on that node: here if it is this
+    agent's node, else over ssh (BatchMode, as `install --host`) to the
+    node's address in the Consul catalog (a node the catalog does not know is
+    refused, exit 2); what comes back over ssh is shown escaped. Nothing of a
+    run's output is kept in Consul. Exit 6 if there is no such run, or the
+    journal no longer has it; 1 if journalctl or ssh failed.
     """
-    import socket
-
     from consulrun.consul.client import Client
+    from consulrun.consul.values import printable
     from consulrun.report import history as past, logs as journal
     from consulrun.units.remote import host_problem, ssh_argv
 
@@ -55,11 +56,17 @@ def logs(targets: tuple[str, ...], prefix: str | None, attempt: int | None, ssh_
         raise with_suggestion(exc, jobs, loaded, client, kv_prefix) from None
     row = journal.choose(rows, job, occurrence, attempt)
     argv = journal.journal_argv(job, row, output)
-    host = ssh_host or row.get("host") or row.get("node")
-    if ssh_host is None and host == socket.gethostname():
-        journal.stream(argv, "on this host", job, row)
-        return
+    host, where, aliased = ssh_host, f"on {ssh_host}", []
+    if ssh_host is None:  # never the record's `host`: anyone with KV write may have written it
+        node, host = journal.run_node(client, job, row)
+        if journal.is_local(client, node):
+            journal.stream(argv, "on this host", job, row)
+            return
+        where = f"on {printable(node)} ({printable(host)})"
+        # known_hosts entries name the node, as before; a --ssh-option HostKeyAlias= comes first.
+        aliased = [f"HostKeyAlias={node}"] if host_problem(node) is None else []
     problem = host_problem(str(host))
     if problem:
         raise UsageError(f"{problem}; give the host to read the journal on with --host")
-    journal.stream(ssh_argv(str(host), argv, list(ssh_options)), f"on {host}", job, row)
+    journal.stream(ssh_argv(str(host), argv, [*ssh_options, *aliased]), where, job, row,
+                   remote=True)

@@ -13,15 +13,17 @@ from consulrun.errors import ConsulrunError, UsageError
 STATUS_EXIT_HELP = """
 \b
 Exit status (for monitoring checks; the first that applies wins):
+  65 a value in Consul is malformed: that job is shown as malformed_value
+     (a line on stderr names its key), the other jobs as they are
   5  a lock is held by a session that is gone, whose bound check is critical,
      or (seen from the holder's own node) whose wrapper process is dead
-  3  missed: a due occurrence was claimed by no node in time
+  3  missed: a due occurrence was claimed by no node in time, or a chained
+     run asked of a job was taken by no node in time (stalled)
   4  overdue: a run has lasted longer than its job's timeout
   1  a job's last run failed, was lost or was abandoned
   0  all of the above are fine (a bound check in warning does not count:
      Consul keeps such sessions)
   6  nothing to judge: no state under the prefix, or a JOB with none
-  65 a value in Consul is malformed (the line names its key)
   69 Consul unavailable; 77 ACLs hide part of what status must read
 """
 
@@ -59,7 +61,8 @@ def status(targets: tuple[str, ...], prefix: str | None, as_json: bool, watch: b
                           loaded, jobs, as_json, grace / 1000)
         client = Client(consul_config(consul, loaded.consul if loaded else None))
         try:
-            _, statuses = state.collect(client, kv_prefix, loaded, only=jobs, grace_s=grace / 1000)
+            _, statuses = state.collect(client, kv_prefix, loaded, only=jobs, grace_s=grace / 1000,
+                                        per_job_malformed=True)
         except state.NoState as exc:
             raise with_suggestion(exc, jobs, loaded, client, kv_prefix) from None
     except ConsulrunError as exc:
@@ -68,7 +71,18 @@ def status(targets: tuple[str, ...], prefix: str | None, as_json: bool, watch: b
         raise
     health = state.verdict(statuses)
     _show_status(kv_prefix, statuses, health, as_json, compact=False)
+    _say_malformed(statuses)
     sys.exit(health)
+
+
+def _say_malformed(statuses: list) -> None:
+    """One line per value consulrun never writes, on stderr as every reader says it (exit 65)."""
+    from consulrun.consul.values import printable
+
+    for s in statuses:
+        for p in s.problems:
+            if p["kind"] == "malformed_value":
+                click.echo(f"Error: {printable(p['detail'])}", err=True)
 
 
 def _show_status(kv_prefix: str, statuses: list, health: int, as_json: bool, compact: bool) -> None:
@@ -112,8 +126,10 @@ def _watch_status(make_client, kv_prefix: str, loaded, jobs: tuple[str, ...], as
         while True:
             try:
                 client = client or make_client()
-                index, statuses = state.collect(client, kv_prefix, loaded, only=jobs, index=index,
-                                                wait_s=WATCH_REFRESH_S if index else None, grace_s=grace_s)
+                index, statuses = state.collect(
+                    client, kv_prefix, loaded, only=jobs, index=index,
+                    wait_s=WATCH_REFRESH_S if index else None, grace_s=grace_s,
+                    per_job_malformed=True)
             except state.NoState as exc:  # state may appear: wait for it with a blocking query
                 if as_json:
                     click.echo(to_json(state.error_json(kv_prefix, exc, datetime.now(timezone.utc)), compact=True))

@@ -44,7 +44,7 @@ log = logging.getLogger("consulrun")
 LAG_BUCKETS = (0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120, 300, 600, 1800, 3600)
 # `state` label values: the lock being held, and every problem `consulrun status` can report.
 STATES = ("held", "unhealthy", "missed", "future", "skew", "unplaced", "node-down", "overdue", "failed", "lost",
-          "abandoned")
+          "abandoned", "stalled")
 OUTCOMES = {"lost": "lost", "abandoned": "abandoned", "missed": "missed"}
 REFRESH_S = 15.0  # a blocking query returns at least this often, so missed/overdue follow the clock
 MAX_BACKOFF_S = 30.0

@@ -30,7 +30,7 @@ from consulrun.protocol.health import LAST_FIELDS
 from consulrun.protocol.occurrence import future_limit, future_text
 from consulrun.protocol.pause import EPISODES, in_force as pause_in_force, since as pause_skips, value_of as pause_value_of
 from consulrun.protocol.turns import TURN_MAX_S
-from consulrun.report import eachnode
+from consulrun.report import chains, eachnode
 from consulrun.timefmt import parse_time, seconds_between
 
 if TYPE_CHECKING:  # `run` (the health check of its finish) must not pay for the manifest validator
@@ -52,10 +52,14 @@ class Health(enum.IntEnum):
     OVERDUE = 4  # a run has lasted longer than its job's timeout
     HOLDER_UNHEALTHY = 5  # a lock is held by a session that is gone, critical, or whose process is dead
     NO_STATE = 6  # nothing under the prefix (or for the job asked about): nothing to judge
+    MALFORMED_VALUE = 65  # a job's value is not one consulrun writes: that job is not judged
 
 
-# Most urgent first: a stuck lock explains a missed run, a missed run matters more than a slow one.
-SEVERITY = [Health.HOLDER_UNHEALTHY, Health.MISSED, Health.OVERDUE, Health.LAST_RUN_FAILED]
+# Most urgent first: a job that cannot be judged hides whatever is wrong with it, so it outranks
+# every finding (65 is what a malformed value has always made status exit); a stuck lock explains
+# a missed run, a missed run matters more than a slow one.
+SEVERITY = [Health.MALFORMED_VALUE, Health.HOLDER_UNHEALTHY, Health.MISSED, Health.OVERDUE,
+            Health.LAST_RUN_FAILED]
 # A record in the future ("future") stops every run until it is removed: as good as missed.
 # A node's clock ahead of ours ("skew") runs occurrences before they are due and jumps over one: as good as missed.
 PROBLEM_HEALTH = {"unhealthy": Health.HOLDER_UNHEALTHY, "missed": Health.MISSED, "future": Health.MISSED,
@@ -64,7 +68,11 @@ PROBLEM_HEALTH = {"unhealthy": Health.HOLDER_UNHEALTHY, "missed": Health.MISSED,
                   "failed": Health.LAST_RUN_FAILED, "lost": Health.LAST_RUN_FAILED,
                   "abandoned": Health.LAST_RUN_FAILED,
                   "unplaced": Health.MISSED,  # no healthy node may run it: its occurrences run nowhere
-                  "node-down": Health.MISSED}  # an each-node job's node is down: its share runs nowhere
+                  # an each-node job's node is down: its share runs nowhere
+                  "node-down": Health.MISSED,
+                  # a chained run asked of the job that no node took (report/chains.py)
+                  "stalled": Health.MISSED,
+                  "malformed_value": Health.MALFORMED_VALUE}
 
 
 class NoState(ConsulrunError):
@@ -363,6 +371,17 @@ def judge_job(name: str, keys: dict[str, dict[str, Any]], manifest: Manifest | N
     _clock_findings(status, keys, now)
     _recorded_misses(status, keys, record, now)
     _overdue_holders(status, expect, now)
+    chains.judge(status, keys, job, now)
+    return status
+
+
+def malformed_job(name: str, manifest: Manifest | None, exc: MalformedValue) -> JobStatus:
+    """A job one of whose values consulrun never writes: not judged (its other keys may say
+    anything), but named, with the one line why, beside the jobs that could be."""
+    jobs = manifest.jobs if manifest else ()
+    status = JobStatus(job=name, state="malformed_value",
+                       in_manifest=any(job.name == name for job in jobs))
+    status.problem("malformed_value", exc.message, key=exc.key)
     return status
 
 
@@ -405,11 +424,14 @@ def _recorded_misses(status: JobStatus, keys: dict[str, dict[str, Any]], record:
 
 def collect(client: Client, prefix: str, manifest: Manifest | None, *, only: tuple[str, ...] = (),
             index: int | None = None, wait_s: float | None = None, now: datetime | None = None,
-            grace_s: float = DEFAULT_GRACE_S) -> tuple[int, list[JobStatus]]:
+            grace_s: float = DEFAULT_GRACE_S,
+            per_job_malformed: bool = False) -> tuple[int, list[JobStatus]]:
     """(Consul index for a blocking follow-up, one JobStatus per job); manifest jobs first, then the others.
 
     `only` limits the answer to those jobs. Raises PermissionDenied when ACLs
-    hide anything this needs to read, NoState when there is nothing to judge.
+    hide anything this needs to read, NoState when there is nothing to judge,
+    MalformedValue for a value consulrun never writes, unless `per_job_malformed`:
+    then that job alone is `malformed_value` (`malformed_job`), the others are judged.
     """
     base = prefix.strip("/") + "/"
     idx, found = read_prefix(client, base, index=index, wait_s=wait_s)
@@ -426,7 +448,13 @@ def collect(client: Client, prefix: str, manifest: Manifest | None, *, only: tup
     for name in names:
         if name not in found and found:
             probe(client, f"{base}{name}/lock")  # listing hides per-key denials from nobody but us: ask directly
-        statuses.append(judge_job(name, found.get(name, {}), manifest, judge, now, grace_s))
+        try:
+            statuses.append(judge_job(name, found.get(name, {}), manifest, judge, now, grace_s))
+        except MalformedValue as exc:
+            if not per_job_malformed:
+                raise
+            statuses.append(malformed_job(name, manifest, exc))
+            continue
         if statuses[-1].nodes is not None:
             eachnode.down_nodes(client, statuses[-1], next((j for j in manifest.jobs if j.name == name), None)
                                 if manifest else None)

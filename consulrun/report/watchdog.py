@@ -28,7 +28,7 @@ log = logging.getLogger("consulrun")
 
 _RANK = {PASSING: 0, WARNING: 1, CRITICAL: 2}
 # Problems only a clock (the watchdog) sees; a record's own failure is in its summary already.
-CLOCK_PROBLEMS = ("missed", "future", "skew", "overdue", "unhealthy")
+CLOCK_PROBLEMS = ("missed", "future", "skew", "overdue", "unhealthy", "stalled")
 
 
 def _clock_text(problem: dict[str, Any]) -> str:
@@ -42,6 +42,10 @@ def _clock_text(problem: dict[str, Any]) -> str:
     if problem["kind"] == "future":  # its detail names a limit that moves with the clock
         return (f"future: the occurrence record claims {problem['occurrence']}, later than the next occurrence plus "
                 "the allowed clock skew; runs refuse it until it is removed")
+    if problem["kind"] == "stalled":  # its detail says how long it has waited: that grows
+        return (f"stalled: the run after {problem['parent']}'s run {problem['run']} has waited "
+                f"since {problem['since']} and no node took it (is chain-watch running where "
+                "the job is installed?)")
     return f"{problem['kind']}: {problem['detail']}"
 
 
