@@ -520,7 +520,9 @@ class Client:
                                            f"{refused.why}") from None
                 return None
             logging.getLogger("consulrun").warning(
-                "%sthe job's Consul health check was not updated (%s); the result is recorded without it",
+                "%sthe job's Consul health check was not updated (%s); the result is recorded "
+                "without it (a token without the rules for it: "
+                "`consulrun acl-policy MANIFEST --node NODE` prints them)",
                 f"{self.label}: " if self.label else "", refused.why)
             return self._txn([op for op in ops if "Check" not in op])
 
