@@ -16,7 +16,7 @@ from consulrun.commands.options import (
 from consulrun.errors import ExitCode
 
 
-@click.command()
+@click.command(short_help="Render a manifest into systemd units.")
 @click.argument("manifest", type=click.Path(allow_dash=True, path_type=Path))
 @click.option("-o", "--output", "output", required=True, metavar="DIR",
               help="Folder to write the units into, or - to print them.")
