@@ -84,7 +84,9 @@ class _Main(click.Group):
             return super().invoke(ctx)
 
 
-@click.group(cls=_Main, epilog=EXIT_CODES_HELP, context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(cls=_Main, epilog=EXIT_CODES_HELP,
+             context_settings={"help_option_names": ["-h", "--help"]},
+             short_help="Run each occurrence of a scheduled job on one node only.")
 @click.version_option(__version__, prog_name="consulrun")
 def main() -> None:
     """Run each occurrence of a scheduled job on exactly one node, locked through Consul.

@@ -101,7 +101,17 @@ class MalformedValue(ConsulrunError):
 
 
 class PermissionDenied(ConsulrunError):
+    """Consul's ACLs refused a request. The line an operator reads says which policy to give:
+    the one printed with the manifest, since `acl-policy` without it leaves out what the
+    manifest's features (health_checks, bound checks) need."""
+
     exit_code = ExitCode.PERMISSION
+    HINT = ("; give the token the policy `consulrun acl-policy MANIFEST --node NODE` prints (with "
+            "the manifest, for its features' rules; --operator instead of --node for status, "
+            "history and the other operator commands)")
+
+    def show(self, file: IO[str] | None = None) -> None:
+        print(f"Error: {self.format_message()}{self.HINT}", file=file or sys.stderr, flush=True)
 
 
 class OutputError(ConsulrunError):

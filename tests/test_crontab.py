@@ -19,7 +19,9 @@ EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
 
 def convert(text: str, *args: str) -> tuple[int, str, str]:
-    result = CliRunner().invoke(main, ["import-crontab", "-", *args], input=text)
+    """Convert `text`; a user crontab (no --system) as alice's."""
+    user = [] if "--system" in args or "--user" in args else ["--user", "alice"]
+    result = CliRunner().invoke(main, ["import-crontab", "-", *user, *args], input=text)
     return result.exit_code, result.stdout, result.stderr
 
 
@@ -31,7 +33,7 @@ def jobs(text: str, *args: str) -> dict:
 
 
 def test_example_crontab_converts_to_the_example_manifest() -> None:
-    result = CliRunner().invoke(main, ["import-crontab", str(EXAMPLES / "crontab")])
+    result = CliRunner().invoke(main, ["import-crontab", "--user", "alice", str(EXAMPLES / "crontab")])
     assert (result.exit_code, result.stderr) == (0, "")
     assert result.stdout == (EXAMPLES / "crontab.yaml").read_text().replace(
         "from examples/crontab.", f"from {EXAMPLES / 'crontab'}.")
@@ -61,10 +63,10 @@ def test_fields_macros_user_column_and_names() -> None:
 def test_environment_lines_apply_to_the_entries_after_them() -> None:
     converted = jobs("0 1 * * * /bin/first\nA=1\n B = \"two words\" \nC='x y'\n0 2 * * * /bin/second\n"
                      "CRON_TZ=Europe/Berlin\nSHELL=/bin/bash\n0 3 * * * /bin/third | tee /tmp/t\n")
-    assert converted["first"] == {"command": "/bin/first", "schedule": "*-*-* 01:00:00"}
+    assert converted["first"] == {"command": "/bin/first", "schedule": "*-*-* 01:00:00", "user": "alice"}
     assert converted["second"]["environment"] == {"A": "1", "B": "two words", "C": "x y"}
     assert converted["third"] == {"command": ["/bin/bash", "-c", "/bin/third | tee /tmp/t"],
-                                  "schedule": "*-*-* 03:00:00 Europe/Berlin",
+                                  "schedule": "*-*-* 03:00:00 Europe/Berlin", "user": "alice",
                                   "environment": {"A": "1", "B": "two words", "C": "x y"}}
 
 
@@ -107,7 +109,8 @@ def test_a_mailto_that_is_not_an_address_list_is_reported() -> None:
 
 def test_shell_lines_get_shell_true_and_plain_lines_an_argv() -> None:
     converted = jobs("0 2 * * * /bin/echo 'a b' c\n0 3 * * * /bin/x > /dev/null 2>&1\n0 4 * * * cd /srv && make\n")
-    assert converted["echo"] == {"command": "/bin/echo 'a b' c", "schedule": "*-*-* 02:00:00"}
+    assert converted["echo"] == {"command": "/bin/echo 'a b' c", "schedule": "*-*-* 02:00:00",
+                                 "user": "alice"}
     assert converted["x"]["shell"] is True and converted["make"]["shell"] is True
     assert parse_manifest(yaml.safe_dump({"jobs": {"make": converted["make"]}}), "-").jobs[0].command == (
         "/bin/sh", "-c", "cd /srv && make")
@@ -180,7 +183,8 @@ def test_full_disk_exits_74_with_one_line(tmp_path: Path) -> None:
     import sys
 
     with open("/dev/full", "w") as full:
-        result = subprocess.run([sys.executable, "-m", "consulrun", "import-crontab", "-"], stdout=full,
+        result = subprocess.run([sys.executable, "-m", "consulrun", "import-crontab", "--user", "alice", "-"],
+                                stdout=full,
                                 stderr=subprocess.PIPE, input="0 2 * * * /bin/true\n", text=True, timeout=60,
                                 env={**os.environ, "PYTHONPATH": str(EXAMPLES.parent)})
     assert (result.returncode, result.stderr) == (74, "Error: writing output failed: no space left on device\n")
@@ -198,7 +202,8 @@ def test_any_crontab_text_converts_or_reports_never_a_traceback() -> None:
     @settings(max_examples=300, deadline=None)
     @given(st.lists(line, max_size=6), st.booleans())
     def check(lines: list[str], system: bool) -> None:
-        result = CliRunner().invoke(main, ["import-crontab", "-", *(["--system"] if system else [])],
+        result = CliRunner().invoke(main, ["import-crontab", "-",
+                                           *(["--system"] if system else ["--user", "alice"])],
                                     input="\n".join(lines) + "\n")
         assert result.exit_code in (0, 2), (lines, result.exception)
         assert result.exception is None or isinstance(result.exception, SystemExit), (lines, result.exception)
@@ -245,7 +250,8 @@ def test_several_system_files_name_jobs_after_the_file_unique_across_files(tmp_p
 
 
 def test_several_files_report_each_file_s_lines() -> None:
-    result = CliRunner().invoke(main, ["import-crontab", "-", "-"], input="@reboot /bin/x\n0 1 * * * /bin/y\n")
+    result = CliRunner().invoke(main, ["import-crontab", "--user", "alice", "-", "-"],
+                                input="@reboot /bin/x\n0 1 * * * /bin/y\n")
     assert result.exit_code == 2  # standard input read once, then empty
     assert result.stderr.startswith("Error: <stdin>:1: cannot convert '@reboot /bin/x'")
 
@@ -292,9 +298,10 @@ def test_whatever_a_crontab_holds_the_output_loads_as_exactly_its_jobs() -> None
            st.sampled_from(["<stdin>", "/etc/cron.d/x\u2028y: 1", "f"]))
     def check(lines: list[str], system: bool, source: str) -> None:
         source_text = "\n".join(lines) + "\n"
-        part = crontab._read(source_text, source, system)  # what was converted, before any rendering
+        user = None if system else "alice"
+        part = crontab._read(source_text, source, system, user)  # what was converted, before any rendering
         try:
-            out = crontab.convert_all([(source_text, source, system)])
+            out = crontab.convert_all([(source_text, source, system)], user=user)
         except crontab.CrontabError as exc:
             out = exc.manifest
         assert _unsafe_in_output(out) == [], (lines, out)

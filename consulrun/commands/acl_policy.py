@@ -11,7 +11,7 @@ from consulrun.commands.options import manifest_prefix_option
 from consulrun.errors import UsageError
 
 
-@click.command("acl-policy")
+@click.command("acl-policy", short_help="Print the Consul ACL policy a node or an operator needs.")
 @click.argument("manifest", required=False, type=click.Path(allow_dash=True, path_type=Path))
 @manifest_prefix_option
 @click.option("--node", "node", default=None, metavar="NAME",

@@ -10,7 +10,7 @@ from consulrun.commands.runargs import _placement, setup_logging
 from consulrun.errors import UsageError
 
 
-@click.command("chain-watch")
+@click.command("chain-watch", short_help="Start a chained job's runs on this node as asked.")
 @job_prefix_option
 @click.option("--unit", default=None, help="The job's service unit [default: consulrun-<JOB>.service].")
 @click.option("--node-meta", "node_meta", multiple=True, metavar="KEY=VALUE",

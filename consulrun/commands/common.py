@@ -13,7 +13,8 @@ from consulrun.errors import ConsulrunError, UsageError, os_reason
 from consulrun.manifest.schema import name_problem
 
 if TYPE_CHECKING:
-    from collections.abc import Iterable
+    from collections.abc import Callable, Iterable
+    from typing import Any
 
     from consulrun.consul.client import Client
     from consulrun.manifest.loader import Manifest
@@ -66,18 +67,45 @@ def interruptible() -> None:
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
+def _is_manifest(word: str) -> bool:
+    return "/" in word or word.endswith((".yaml", ".yml", ".json"))
+
+
 def manifest_and_jobs(targets: tuple[str, ...]) -> tuple[Manifest | None, tuple[str, ...]]:
     """Split `[MANIFEST] [JOB]...`: the first argument is a manifest if it has a '/' or ends in .yaml/.yml/.json."""
     from consulrun.manifest.loader import load_manifest
 
     loaded = None
-    if targets and ("/" in targets[0] or targets[0].endswith((".yaml", ".yml", ".json"))):
+    if targets and _is_manifest(targets[0]):
         loaded, targets = load_manifest(Path(targets[0])), targets[1:]
     for job in targets:
         problem = job_problem(job)
         if problem:
             raise UsageError(problem)
     return loaded, targets
+
+
+def complete_jobs(many: bool) -> Callable[..., list[Any]]:
+    """Shell completion of `[MANIFEST] JOB` (`many`: `[MANIFEST] [JOB]...`): the first word as a
+    file, then the job names of the manifest given (`pause jobs.yaml <TAB>`). Nothing from
+    Consul: a completion must not wait on the network."""
+    def complete(ctx: Any, param: Any, incomplete: str) -> list[Any]:
+        from click.shell_completion import CompletionItem
+
+        from consulrun.manifest.loader import load_manifest
+
+        given = tuple(ctx.params.get(param.name) or ())
+        if not given:
+            return [CompletionItem(incomplete, type="file")]
+        if not _is_manifest(given[0]) or (len(given) > 1 and not many):
+            return []
+        try:
+            names = [job.name for job in load_manifest(Path(given[0])).jobs]
+        except (ConsulrunError, OSError):
+            return []
+        return [CompletionItem(name) for name in names
+                if name.startswith(incomplete) and name not in given[1:]]
+    return complete
 
 
 def did_you_mean(names: Iterable[str], known: Iterable[str]) -> str:

@@ -15,7 +15,7 @@ from consulrun.errors import ConsulrunError, UsageError
 EXPORTER_LISTEN = "127.0.0.1:9785"
 
 
-@click.command()
+@click.command(short_help="Serve every job's state as Prometheus metrics.")
 @click.argument("manifest", required=False, type=click.Path(dir_okay=False, path_type=Path))
 @manifest_prefix_option
 @click.option("--listen", default=EXPORTER_LISTEN, show_default=True, metavar="HOST:PORT",

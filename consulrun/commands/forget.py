@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import click
 
-from consulrun.commands.common import check_jobs, confirm, manifest_and_jobs
+from consulrun.commands.common import check_jobs, complete_jobs, confirm, manifest_and_jobs
 from consulrun.commands.options import consul_config, consul_options, manifest_prefix_option, yes_option
 from consulrun.errors import UsageError
 
 
-@click.command()
-@click.argument("targets", nargs=-1, required=True, metavar="[MANIFEST] JOB")
+@click.command(short_help="Delete everything Consul holds about a job.")
+@click.argument("targets", nargs=-1, required=True, metavar="[MANIFEST] JOB",
+                shell_complete=complete_jobs(many=False))
 @manifest_prefix_option
 @yes_option
 @consul_options

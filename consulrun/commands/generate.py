@@ -16,7 +16,7 @@ from consulrun.commands.options import (
 from consulrun.errors import ExitCode
 
 
-@click.command()
+@click.command(short_help="Render a manifest into systemd units.")
 @click.argument("manifest", type=click.Path(allow_dash=True, path_type=Path))
 @click.option("-o", "--output", "output", required=True, metavar="DIR",
               help="Folder to write the units into, or - to print them.")
@@ -33,6 +33,7 @@ def generate(manifest: Path, output: str, check: bool, templates: Path | None, c
     listed), another manifest's are left alone, and one of another manifest's
     in the way of a unit is refused (exit 2).
     """
+    from consulrun.manifest.hardening import relaxed_lines
     from consulrun.units.guarantees import warnings
     from consulrun.units.install import plan
     from consulrun.units.owner import named, owner
@@ -41,7 +42,7 @@ def generate(manifest: Path, output: str, check: bool, templates: Path | None, c
     loaded, _ = read_manifest(manifest)
     loaded = named(loaded, manifest_name)
     units = render(loaded, consulrun_path, templates)
-    for line in warnings(loaded):
+    for line in [*warnings(loaded), *relaxed_lines(loaded, consulrun_path)]:
         click.echo(f"warning: {line}", err=True)
     if output == "-":
         for name, text in units.items():

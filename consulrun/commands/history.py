@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import click
 
-from consulrun.commands.common import manifest_and_jobs, to_json, with_suggestion
+from consulrun.commands.common import complete_jobs, manifest_and_jobs, to_json, with_suggestion
 from consulrun.commands.options import consul_config, consul_options, manifest_prefix_option
 from consulrun.errors import UsageError
 
 
-@click.command()
-@click.argument("targets", nargs=-1, required=True, metavar="[MANIFEST] JOB")
+@click.command(short_help="List a job's runs across the cluster.")
+@click.argument("targets", nargs=-1, required=True, metavar="[MANIFEST] JOB",
+                shell_complete=complete_jobs(many=False))
 @manifest_prefix_option
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON list of runs instead of a table.")
 @click.option("-n", "limit", type=click.IntRange(1, 100_000), default=20, show_default=True, help="How many runs.")

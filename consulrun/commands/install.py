@@ -16,7 +16,7 @@ if TYPE_CHECKING:
 from consulrun.commands.common import read_manifest
 
 
-@click.command()
+@click.command(short_help="Install a manifest's units on this node or over ssh.")
 @click.argument("manifest", type=click.Path(allow_dash=True, path_type=Path))
 @click.option("--root", type=click.Path(file_okay=False, path_type=Path),
               help="Install into this root file system (offline: units are enabled, nothing is started); "

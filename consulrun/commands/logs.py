@@ -4,15 +4,16 @@ from __future__ import annotations
 
 import click
 
-from consulrun.commands.common import manifest_and_jobs, with_suggestion
+from consulrun.commands.common import complete_jobs, manifest_and_jobs, with_suggestion
 from consulrun.commands.options import consul_config, consul_options, manifest_prefix_option, ssh_option
 from consulrun.errors import UsageError
 
 OUTPUTS = ("short-iso", "cat", "short-precise", "verbose", "json")
 
 
-@click.command()
-@click.argument("targets", nargs=-1, required=True, metavar="[MANIFEST] JOB [OCCURRENCE]")
+@click.command(short_help="Print the journal lines of one run of a job.")
+@click.argument("targets", nargs=-1, required=True, metavar="[MANIFEST] JOB [OCCURRENCE]",
+                shell_complete=complete_jobs(many=False))
 @manifest_prefix_option
 @click.option("--attempt", type=click.IntRange(1), metavar="N",
               help="Attempt N of the occurrence (after a takeover there are several) [default: the last].")

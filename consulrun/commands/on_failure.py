@@ -11,7 +11,8 @@ from consulrun.commands.runargs import setup_logging as _setup_logging
 from consulrun.errors import UsageError
 
 
-@click.command("on-failure", context_settings={"allow_interspersed_args": False})
+@click.command("on-failure", context_settings={"allow_interspersed_args": False},
+               short_help="Run a notifier because a run of a job failed.")
 @click.option("--unit", required=True, metavar="UNIT", help="The job's service unit, the one that failed.")
 @click.option("--skip-exit-code", type=click.IntRange(0, 255), default=0, show_default=True,
               help="The job's skip code: a run that exited with it never notifies.")

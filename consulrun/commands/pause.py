@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from consulrun.commands.common import check_jobs, manifest_and_jobs
+from consulrun.commands.common import check_jobs, complete_jobs, manifest_and_jobs
 from consulrun.commands.options import (
     Duration,
     all_jobs_option,
@@ -37,8 +37,9 @@ def pause_targets(targets: tuple[str, ...], all_jobs: bool, prefix: str | None,
     return client, kv_prefix.strip("/"), list(dict.fromkeys(jobs))  # a job named twice is one job
 
 
-@click.command()
-@click.argument("targets", nargs=-1, metavar="[MANIFEST] [JOB]...")
+@click.command(short_help="Pause jobs on every node.")
+@click.argument("targets", nargs=-1, metavar="[MANIFEST] [JOB]...",
+                shell_complete=complete_jobs(many=True))
 @all_jobs_option
 @click.option("--for", "for_ms", type=Duration(), default=None, metavar="DURATION",
               help="End the pause by itself after this long (e.g. 2h); default: until `resume`.")

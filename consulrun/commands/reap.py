@@ -10,7 +10,7 @@ from consulrun.commands.runargs import setup_logging as _setup_logging
 from consulrun.errors import UsageError
 
 
-@click.command()
+@click.command(short_help="Free a job's lock held by a dead wrapper on this node.")
 @job_prefix_option
 @click.option("--concurrency", type=click.IntRange(1, 1000), default=1, show_default=True,
               help="The job's concurrency (which lock keys to look at).")

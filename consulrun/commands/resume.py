@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import click
 
+from consulrun.commands.common import complete_jobs
 from consulrun.commands.options import all_jobs_option, consul_options, manifest_prefix_option
 from consulrun.commands.pause import pause_targets
 
 
-@click.command()
-@click.argument("targets", nargs=-1, metavar="[MANIFEST] [JOB]...")
+@click.command(short_help="End the pause of jobs.")
+@click.argument("targets", nargs=-1, metavar="[MANIFEST] [JOB]...",
+                shell_complete=complete_jobs(many=True))
 @all_jobs_option
 @manifest_prefix_option
 @consul_options

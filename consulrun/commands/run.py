@@ -18,7 +18,8 @@ class _RunCommand(click.Command):
         return super().parse_args(ctx, args)
 
 
-@click.command(cls=_RunCommand, context_settings={"allow_interspersed_args": False})
+@click.command(cls=_RunCommand, context_settings={"allow_interspersed_args": False},
+               short_help="Run a job's command if this node gets its lock.")
 @job_prefix_option
 @click.option("--ttl", type=Duration(TTL_RANGE_MS), default="15s", show_default=True,
               help=f"Session TTL ({range_text(TTL_RANGE_MS)}).")

@@ -6,7 +6,13 @@ import sys
 
 import click
 
-from consulrun.commands.common import interruptible, manifest_and_jobs, to_json, with_suggestion
+from consulrun.commands.common import (
+    complete_jobs,
+    interruptible,
+    manifest_and_jobs,
+    to_json,
+    with_suggestion,
+)
 from consulrun.commands.options import Duration, consul_config, consul_options, manifest_prefix_option
 from consulrun.errors import ConsulrunError, UsageError
 
@@ -28,8 +34,10 @@ Exit status (for monitoring checks; the first that applies wins):
 """
 
 
-@click.command(epilog=STATUS_EXIT_HELP)
-@click.argument("targets", nargs=-1, metavar="[MANIFEST] [JOB]...")
+@click.command(epilog=STATUS_EXIT_HELP,
+               short_help="Show each job's lock holder, last runs and health.")
+@click.argument("targets", nargs=-1, metavar="[MANIFEST] [JOB]...",
+                shell_complete=complete_jobs(many=True))
 @manifest_prefix_option
 @click.option("--json", "as_json", is_flag=True, help="Print the documented JSON structure instead of a table.")
 @click.option("--watch", is_flag=True,

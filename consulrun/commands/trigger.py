@@ -6,13 +6,19 @@ import sys
 
 import click
 
-from consulrun.commands.common import check_jobs, default_consulrun_path, manifest_and_jobs
+from consulrun.commands.common import (
+    check_jobs,
+    complete_jobs,
+    default_consulrun_path,
+    manifest_and_jobs,
+)
 from consulrun.commands.options import Duration, consul_config, consul_options, manifest_prefix_option
 from consulrun.errors import ConsulrunError, ExitCode, UsageError
 
 
-@click.command()
-@click.argument("targets", nargs=-1, required=True, metavar="[MANIFEST] JOB")
+@click.command(short_help="Run a job once, now, through its systemd unit.")
+@click.argument("targets", nargs=-1, required=True, metavar="[MANIFEST] JOB",
+                shell_complete=complete_jobs(many=False))
 @click.option("--wait", "wait_ms", type=Duration(), default="0s", show_default=True,
               help="If the job is running, wait up to this long for it to end, then trigger.")
 @click.option("--unit", default=None, help="The job's service unit [default: <unit_prefix>-<JOB>.service].")

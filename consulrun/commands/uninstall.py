@@ -11,7 +11,7 @@ from consulrun.commands.options import manifest_name_option
 from consulrun.errors import UsageError
 
 
-@click.command()
+@click.command(short_help="Remove a manifest's units from this node.")
 @click.argument("manifest", required=False, type=click.Path(allow_dash=True, path_type=Path))
 @click.option("--root", type=click.Path(file_okay=False, path_type=Path),
               help="Uninstall from this root file system (offline: timers are disabled, nothing is stopped).")

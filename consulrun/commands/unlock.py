@@ -6,14 +6,15 @@ import logging
 
 import click
 
-from consulrun.commands.common import confirm, manifest_and_jobs, with_suggestion
+from consulrun.commands.common import complete_jobs, confirm, manifest_and_jobs, with_suggestion
 from consulrun.commands.options import consul_config, consul_options, manifest_prefix_option, yes_option
 from consulrun.commands.runargs import setup_logging as _setup_logging
 from consulrun.errors import ConsulrunError, UsageError
 
 
-@click.command()
-@click.argument("targets", nargs=-1, required=True, metavar="[MANIFEST] JOB")
+@click.command(short_help="Break a job's stuck lock.")
+@click.argument("targets", nargs=-1, required=True, metavar="[MANIFEST] JOB",
+                shell_complete=complete_jobs(many=False))
 @manifest_prefix_option
 @yes_option
 @click.option("--force", is_flag=True, help="Break the lock even if its holder looks healthy.")

@@ -14,7 +14,7 @@ from consulrun.commands.options import (
 )
 
 
-@click.command()
+@click.command(short_help="Check a manifest without writing anything.")
 @click.argument("manifest", type=click.Path(allow_dash=True, path_type=Path))
 @templates_option
 @consulrun_path_option("Absolute path of consulrun as the units' ExecStart= would call it.")

@@ -13,7 +13,7 @@ from consulrun.commands.runargs import setup_logging as _setup_logging
 from consulrun.errors import UsageError, os_reason
 
 
-@click.command()
+@click.command(short_help="Bring each job's Consul health check up to date.")
 @click.argument("manifest", required=False, type=click.Path(allow_dash=True, path_type=Path))
 @manifest_prefix_option
 @click.option("--jobs", "jobs_json", metavar="JSON", default=None,

@@ -252,13 +252,15 @@ _ELECTION_SIGNS = ("No cluster leader", "leadership lost", "not leader", "rpc er
                    "No known Consul servers", "Missing node registration", SERF_CRITICAL)
 
 
-def _check_refusal(why: str) -> str:
-    """Consul's refusal of a health-check write, with what it means here: the prefix's external node is
-    registered by the watchdog's first run, so until then Consul knows no node to hold the check."""
-    if "Missing node registration" not in why:
-        return why
-    return (f"{why}: the prefix's health-check node is not registered yet; the watchdog registers it on its "
-            "first run (consulrun-_watchdog.timer, once a minute on one node; `consulrun watchdog` by hand)")
+def _check_hint(why: str) -> str:
+    """What Consul's refusal of a health-check write means here, and what cures it. The prefix's external
+    node is registered by the watchdog's first run: until then Consul knows no node to hold the check. Any
+    other refusal is the token's: the policy for the manifest has the rules."""
+    if "Missing node registration" in why:
+        return (" (the prefix's health-check node is not registered yet; the watchdog registers it on its "
+                "first run: consulrun-_watchdog.timer, once a minute on one node, or `consulrun watchdog` by "
+                "hand)")
+    return " (a token without the rules for it: `consulrun acl-policy MANIFEST --node NODE` prints them)"
 
 
 def _not_listening(exc: OSError) -> bool:
@@ -532,8 +534,8 @@ class Client:
                                            f"{refused.why}") from None
                 return None
             logging.getLogger("consulrun").warning(
-                "%sthe job's Consul health check was not updated (%s); the result is recorded without it",
-                f"{self.label}: " if self.label else "", _check_refusal(refused.why))
+                "%sthe job's Consul health check was not updated (%s); the result is recorded without it%s",
+                f"{self.label}: " if self.label else "", refused.why, _check_hint(refused.why))
             return self._txn([op for op in ops if "Check" not in op])
 
     def _txn(self, ops: list[dict[str, Any]]) -> list[dict[str, Any]] | None:

@@ -126,32 +126,70 @@ def _never_fires(specs: list[str]) -> bool:
     return calendar.following(specs, datetime(2000, 1, 1, tzinfo=timezone.utc)) is None
 
 
-def convert(text: str, source: str, system: bool = False) -> str:
+def convert(text: str, source: str, system: bool = False, user: str | None = None) -> str:
     """The manifest for crontab `text`; raise `CrontabError` (with that manifest) if any line is left out.
 
     `system`: the /etc/crontab and /etc/cron.d format, with a user column
-    between the time fields and the command.
+    between the time fields and the command. `user`: whom a user crontab's jobs run as.
     """
-    return convert_all([(text, source, system)])
+    return convert_all([(text, source, system)], user=user)
 
 
-def convert_all(crontabs: list[tuple[str, str, bool]]) -> str:
-    """One manifest for several crontabs, as (text, source, system) each; job names are unique across them all."""
+def convert_all(crontabs: list[tuple[str, str, bool]], user: str | None = None,
+                packages: dict[str, str] | None = None, each_node_packaged: bool = False) -> str:
+    """One manifest for several crontabs, as (text, source, system) each; job names are unique
+    across them all.
+
+    A user crontab has no user column: its jobs run as `user`, and without one the conversion is
+    refused (its jobs would run as root). `packages` names the package owning a source (see
+    `cronowner`): such a file's jobs are per-node housekeeping, left out (the caller says so,
+    `packaged_note`), or with `each_node_packaged` written as `mode: each-node` jobs.
+    """
+    _check_user(crontabs, user)
+    packages = packages or {}
     taken: set[str] = set()
-    parts = []
+    parts, left_out = [], []
     for text, source, system in crontabs:
-        part = _read(text, source, system)
+        if source in packages and not each_node_packaged:
+            left_out.append(packaged_note(source, packages[source]))
+            continue
+        part = _read(text, source, system, None if system else user)
+        if source in packages:
+            for job in part.jobs:
+                job.data["mode"] = "each-node"
+            part.notes.append(f"package {packages[source]} owns it: its jobs run on every node "
+                              "(mode: each-node)")
         names = cronnames.names([job.program for job in part.jobs], cronnames.file_name(source) if system else "",
                                 taken)
         for job, name in zip(part.jobs, names):
             job.name = name
         parts.append(part)
-    manifest = _render(parts)
+    manifest = _render(parts, left_out)
     _self_check(manifest, ", ".join(part.source for part in parts))
     problems = [problem for part in parts for problem in part.problems]
     if problems:
         raise CrontabError(problems, manifest)
     return manifest
+
+
+def packaged_note(source: str, package: str) -> str:
+    """The one line for a package's cron file left out of the manifest."""
+    return (f"{_printable(source)}: left out: package {package} owns it, so it is this node's own "
+            "housekeeping, which cron keeps running on every node (--package-files each-node "
+            "converts it to mode: each-node)")
+
+
+def _check_user(crontabs: list[tuple[str, str, bool]], user: str | None) -> None:
+    """Refuse a user crontab without the user it belongs to, and a --user no crontab takes."""
+    user_crontabs = [source for _, source, system in crontabs if not system]
+    if user is not None and not _USER.fullmatch(user):
+        raise UsageError(f"--user {user!r} is not a user name")
+    if user_crontabs and user is None:
+        raise UsageError(f"{_printable(user_crontabs[0])}: a user crontab names no user, and its "
+                         "jobs would run as root: give --user NAME (whose crontab it is), or "
+                         "--system if it has a user column")
+    if user is not None and not user_crontabs:
+        raise UsageError("--user is for a user crontab; a system crontab names each line's user")
 
 
 # An address list as cron hands MAILTO to sendmail: addresses separated by commas, none of them an option.
@@ -168,7 +206,7 @@ def mail_on_failure(mailto: str) -> list[str]:
     return ["/bin/sh", "-c", _MAIL_SCRIPT, "mailto", mailto]
 
 
-def _read(text: str, source: str, system: bool) -> _Crontab:
+def _read(text: str, source: str, system: bool, user: str | None = None) -> _Crontab:
     env: dict[str, str] = {}
     shell, zone, mailto = DEFAULT_SHELL, None, None
     part = _Crontab(source, [], [], [])
@@ -215,7 +253,7 @@ def _read(text: str, source: str, system: bool) -> _Crontab:
                 env[name] = value
             continue
         try:
-            job = _entry(raw, number, system, env, shell, zone)
+            job = _entry(raw, number, system, env, shell, zone, user)
         except cronfields.CronError as exc:
             problems.append(f"{where}: cannot convert {line!r}: {exc}")
             continue
@@ -229,7 +267,8 @@ def _read(text: str, source: str, system: bool) -> _Crontab:
     return part
 
 
-def _entry(raw: str, number: int, system: bool, env: dict[str, str], shell: str, zone: str | None) -> _Job:
+def _entry(raw: str, number: int, system: bool, env: dict[str, str], shell: str, zone: str | None,
+           crontab_user: str | None) -> _Job:
     line = raw.strip()
     count = (1 if line.startswith("@") else 5) + (1 if system else 0)
     parts = line.split(None, count)
@@ -242,8 +281,8 @@ def _entry(raw: str, number: int, system: bool, env: dict[str, str], shell: str,
     specs = cronfields.to_oncalendar(fields, zone)
     if _never_fires(specs):
         raise cronfields.CronError(f"{fields!r} never fires (no such date)")
-    user = parts[count - 1] if system else None
-    if user is not None and not _USER.fullmatch(user):
+    user = parts[count - 1] if system else crontab_user
+    if system and not _USER.fullmatch(user or ""):
         raise cronfields.CronError(f"{user!r} is not a user name (is this a user crontab? leave out --system)")
     command, needs_shell = _command(parts[count].rstrip(), shell)
     data: dict[str, Any] = {"command": command}
@@ -257,7 +296,7 @@ def _entry(raw: str, number: int, system: bool, env: dict[str, str], shell: str,
     return _Job(number, line, data, program=cronnames.program(split_percent(parts[count])[0]))
 
 
-def _render(parts: list[_Crontab]) -> str:
+def _render(parts: list[_Crontab], left_out: list[str]) -> str:
     """The manifest text, each job under a comment quoting its crontab line; '' when no job converted.
 
     A crontab line may hold anything but a newline, and YAML ends a line at more than a newline (`\\r`,
@@ -272,6 +311,7 @@ def _render(parts: list[_Crontab]) -> str:
     out = [f"# Converted by `consulrun import-crontab` from {sources}. Each job fires exactly when cron would;",
            "# consulrun runs each occurrence on one node only."]
     out += [f"# not converted: {_printable(p)}" for part in parts for p in part.problems]
+    out += [f"# {line}" for line in left_out]
     out += [f"# {_printable(part.source) + ' ' if several else ''}{_printable(n)}"
             for part in parts for n in part.notes]
     out.append("jobs:")

@@ -158,15 +158,53 @@ def _needed_paths(manifest: Manifest, job: Job, consulrun_path: str) -> list[str
             consul.ca_file or "", consul.cert_file or "", consul.key_file or ""]
 
 
+def _in_home(path: str) -> bool:
+    return path.startswith(HOME_PATHS) or path.rstrip("/") in ("/home", "/root")
+
+
 def _home_visible(manifest: Manifest, job: Job, consulrun_path: str) -> bool:
-    return any(p.startswith(HOME_PATHS) or p.rstrip("/") in ("/home", "/root")
-               for p in _needed_paths(manifest, job, consulrun_path))
+    return any(map(_in_home, _needed_paths(manifest, job, consulrun_path)))
 
 
 def _tmp_needed(manifest: Manifest, job: Job, consulrun_path: str) -> bool:
     """PrivateTmp= gives the unit an empty /tmp and /var/tmp: a consulrun (a checkout's venv) or a job there
     would not be found (systemd: `Failed to locate executable`), so the preset leaves the host's /tmp then."""
     return any(p.startswith(TMP_PATHS) for p in _needed_paths(manifest, job, consulrun_path))
+
+
+def relaxed(manifest: Manifest, job: Job, consulrun_path: str) -> list[tuple[str, str]]:
+    """(what the preset writes instead of its usual setting, the path that made it so) for each
+    setting relaxed for `job` because something it needs lives in a home or a temporary folder,
+    which `generate` names: a unit quietly less sandboxed than the docs' preset list says is
+    one nobody chose. A setting the job's own `service:` sets is the job's choice, not listed."""
+    if job.hardening != "strict":
+        return []
+    own = {name for name, _ in job.service_settings}
+    needed = [p for p in _needed_paths(manifest, job, consulrun_path) if p]
+    out = []
+    home = next((p for p in needed if _in_home(p)), None)
+    if home and "ProtectHome" not in own:
+        out.append(("ProtectHome=read-only (not yes)", home))
+    tmp = next((p for p in needed if p.startswith(TMP_PATHS)), None)
+    if tmp and "PrivateTmp" not in own:
+        out.append(("PrivateTmp= left out", tmp))
+    return out
+
+
+def relaxed_lines(manifest: Manifest, consulrun_path: str) -> list[str]:
+    """One line for each setting the preset relaxed and why, naming the jobs it was relaxed for."""
+    jobs: dict[tuple[str, str], list[str]] = {}
+    for job in manifest.jobs:
+        for setting, path in relaxed(manifest, job, consulrun_path):
+            jobs.setdefault((setting, path), []).append(job.name)
+    out = []
+    for (setting, path), names in jobs.items():
+        home = setting.startswith("ProtectHome")
+        where = "/home, /root or /run/user" if home else "/tmp or /var/tmp"
+        hides = "ProtectHome=yes" if home else "PrivateTmp=yes"
+        out.append(f"hardening: strict is relaxed for {', '.join(names)}: {setting}, as {path} is "
+                   f"under {where}, which {hides} would hide from the unit")
+    return out
 
 
 # Settings that give a unit a mount namespace (systemd.exec(5)), and with it no credentials in ExecStopPost=.

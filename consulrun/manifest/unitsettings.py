@@ -17,7 +17,7 @@ from importlib import resources
 from typing import Any
 
 from consulrun.consul.client import CREDENTIAL_VARIABLES
-from consulrun.manifest import unitescape
+from consulrun.manifest import unitescape, unitvalues
 
 _KNOWN: dict[str, Any] = json.loads(resources.files("consulrun.manifest").joinpath("systemd_settings.json").read_text())
 SECTION_TITLES = {"service": "[Service]", "timer": "[Timer]", "unit": "[Unit] or [Install]"}
@@ -152,6 +152,9 @@ def value_problem(name: str, value: str) -> str | None:
     if name == "PassEnvironment" and CREDENTIAL_VARIABLES & set(value.split()):
         return ("would hand the service manager's Consul credentials to the job; consulrun passes the node's token with "
                 "consul.token_file, and to the job only with pass_consul_token: true")
+    systemd_would_ignore = unitvalues.problem(name, value)
+    if systemd_would_ignore:
+        return systemd_would_ignore
     if "%" in value and name not in PERCENT_SETTINGS:
         return (f"has a '%', which {name}= may or may not read as a specifier; consulrun writes '%' only in settings "
                 f"known to take it literally ({', '.join(s + '=' for s in sorted(PERCENT_SETTINGS))})")
