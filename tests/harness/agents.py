@@ -143,10 +143,15 @@ class Agent:
         return wait_for(leader, timeout, f"a Raft leader via {self.name}")
 
     def wipe(self) -> None:
-        """Empty the KV store and destroy every session, for a clean test."""
+        """Empty the KV store, destroy every session and remove the external catalog nodes a run or a watchdog
+        registered (the health checks' nodes), for a clean test: a test that expects the node not registered
+        yet must not meet one an earlier test on the same agent left."""
         self.api("DELETE", "kv/", params={"recurse": "true"})
         for session in self.get("session/list"):
             self.api("PUT", f"session/destroy/{session['ID']}")
+        for node in self.get("catalog/nodes"):
+            if (node.get("Meta") or {}).get("external-node") == "true":
+                self.api("PUT", "catalog/deregister", json={"Node": node["Node"]})
 
 
 def _start(cmd: list[str], log_path: Path, netns: str | None) -> subprocess.Popen[bytes]:
