@@ -185,3 +185,34 @@ def test_manifests_that_need_the_watchdog_run_otherwise_are_refused(tmp_path: Pa
     b.write_text("unit_prefix: teamb\n" + b.read_text())  # the fix the line gives
     assert invoke("generate", str(b), "-o", str(units), "--consulrun-path", CONSULRUN)[0] == 0
     assert (units / "teamb-_watchdog.service").exists()  # a watchdog of its own
+
+
+def as_older_consulrun_wrote(units: Path, name: str) -> None:
+    """The watchdog files as the previous version wrote them: one list, units owned by `name`."""
+    (units / f"consulrun-_watchdog-{name}.jobs").rename(units / "consulrun-_watchdog.jobs")
+    for path in units.iterdir():
+        lines = path.read_text().splitlines(keepends=True)
+        lines = [f"# Manifest: {name}\n" if x.startswith("# Shared: ") else
+                 x.replace("--jobs-glob %Y/consulrun-_watchdog*.jobs",
+                           "--jobs-file %Y/consulrun-_watchdog.jobs")
+                 for x in lines if not x.startswith(("# Manifest file: ", "# Watchdog: "))]
+        path.write_text("".join(lines))
+
+
+def test_an_older_consulruns_watchdog_becomes_the_shared_one(tmp_path: Path) -> None:
+    a, b = two_manifests(tmp_path)
+    units = tmp_path / "units"
+    assert invoke("generate", str(a), "-o", str(units), "--consulrun-path", CONSULRUN)[0] == 0
+    as_older_consulrun_wrote(units, "a")
+    code, out, err = invoke("generate", str(b), "-o", str(units), "--consulrun-path", CONSULRUN)
+    assert code == 0, err
+    service = (units / "consulrun-_watchdog.service").read_text()
+    assert "# Shared: " in service and "--jobs-glob %Y/consulrun-_watchdog*.jobs" in service
+    # a's old list is still read (the pattern matches it) until a is installed again
+    assert sorted(p.name for p in units.glob("consulrun-_watchdog*.jobs")) == [
+        "consulrun-_watchdog-b.jobs", "consulrun-_watchdog.jobs"]
+    code, out, err = invoke("generate", str(a), "-o", str(units), "--consulrun-path", CONSULRUN)
+    assert code == 0, err
+    assert f"removed {units / 'consulrun-_watchdog.jobs'}" in out.splitlines()
+    assert sorted(p.name for p in units.glob("consulrun-_watchdog*.jobs")) == [
+        "consulrun-_watchdog-a.jobs", "consulrun-_watchdog-b.jobs"]
