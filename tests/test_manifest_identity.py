@@ -177,3 +177,19 @@ def test_a_manifest_from_standard_input_never_takes_a_files_units(tmp_path: Path
                                        "--consulrun-path", CONSULRUN], input=a.read_text())
     assert result.exit_code == 2
     assert f"belongs to {a}, not to standard input: two manifests named 'jobs'" in result.stderr
+
+
+def test_a_path_the_header_cannot_hold_is_refused(tmp_path: Path) -> None:
+    """A newline in a folder name would end the header's comment line and start a unit setting."""
+    folder = tmp_path / "team\nExecStartPre=true"
+    folder.mkdir()
+    manifest = folder / "jobs.yaml"
+    manifest.write_text("jobs:\n  x: {command: 'true', schedule: daily}\n")
+    units = tmp_path / "units"
+    code, out, err = generate(manifest, units)
+    assert (code, out) == (2, "")
+    assert err.count("\n") == 1 and "the manifest's path has a control character" in err
+    assert not units.exists()
+    manifest.write_text("name: team\n" + manifest.read_text())  # named: no file is recorded
+    assert generate(manifest, units)[0] == 0
+    assert "ExecStartPre" not in (units / "consulrun-x.service").read_text()

@@ -92,10 +92,17 @@ def identity(manifest: Manifest, folder: Path | None, *, writing: bool = True) -
     """The identity of `manifest` writing into `folder` (None: printed; no file is recorded)."""
     name = owner(manifest, writing=writing)
     from_stdin = manifest.source in ("<stdin>", "-")
-    shown = "standard input" if from_stdin else str(Path(manifest.source).resolve())
+    path = str(Path(manifest.source).resolve())
+    shown = "standard input" if from_stdin else path if path.isprintable() else repr(path)
     file = None
     if folder is not None and not from_stdin:
-        file = os.path.relpath(Path(manifest.source).resolve(), folder.resolve())
+        file = os.path.relpath(path, folder.resolve())
+        if not file.isprintable():  # a newline would end the header's comment: a unit setting
+            if not manifest.name:
+                raise UsageError(f"{shown}: the manifest's path has a control character or is not "
+                                 "UTF-8, so the units cannot record it; move the manifest, or give "
+                                 "it a top-level `name:`")
+            file = None  # named: its file is only compared, never written
     return Identity(name=name, file=file, named=bool(manifest.name), shown=shown)
 
 
