@@ -26,9 +26,8 @@ from consulrun.errors import ConsulrunError, OutputError, UsageError, os_reason
 from consulrun.manifest.loader import Manifest
 from consulrun.units.chains import is_watcher
 from consulrun.units.guarantees import warnings as guarantee_warnings
-from consulrun.units.owner import Identity, identity
+from consulrun.units.owner import Identity, check_folder, identity
 from consulrun.units.render import (
-    check_folder,
     is_generated,
     render,
     replace_atomic,

@@ -19,11 +19,10 @@ from consulrun.manifest import hardening, unitescape, unitsettings
 from consulrun.manifest.durations import format_duration
 from consulrun.manifest.loader import Job, LockSettings, Manifest, TimerSettings
 from consulrun.protocol.fencing import stop_timeout_ms
-from consulrun.units import chains
+from consulrun.units import chains, shared
 from consulrun.units.guarantees import start_timeout_ms
-from consulrun.units import shared
-from consulrun.units.owner import GENERATED_MARKER, SHARED_MARKER, Identity, check_identity
-from consulrun.units.owner import identity, is_ours, is_shared, recorded
+from consulrun.units.owner import GENERATED_MARKER, OWNED_SUFFIXES, SHARED_MARKER, Identity
+from consulrun.units.owner import check_folder, identity, is_ours, is_shared, recorded
 from consulrun.units.runline import WATCHDOG_JOB, run_argv  # noqa: F401 - run_argv: render's callers use it here
 
 HEADER = (f"{GENERATED_MARKER} from a job manifest. Do not edit: change the manifest and run\n"
@@ -87,10 +86,6 @@ def on_failure_argv(manifest: Manifest, job: Job, consulrun_path: str) -> list[s
             job.name, "--", *job.on_failure]
 
 
-
-
-# What generate and install replace and remove:
-OWNED_SUFFIXES = (".service", ".timer", shared.JOBS_SUFFIX)
 
 
 def watchdog_jobs_name(manifest: Manifest, ident: Identity) -> str:
@@ -370,16 +365,6 @@ def write_units(units: dict[str, str], outdir: Path,
     for path in stale:
         path.unlink()
     return [target for _, target in staged], stale
-
-
-def check_folder(units: dict[str, str], folder: Path, ident: Identity) -> None:
-    """Refuse (exit 2, nothing touched) what would take another manifest's units, or share a
-    watchdog unit with one that needs it to run otherwise."""
-    names = shared.listing(folder)
-    check_identity(units, folder, ident, [n for n in names if n.endswith(OWNED_SUFFIXES)])
-    leaving = {n for n in names if n.endswith(OWNED_SUFFIXES) and n not in units
-               and is_ours(recorded(folder / n), ident)}
-    shared.check_settings(units, folder, names, leaving)
 
 
 def _put_back(renamed: list[Path], previous: dict[Path, str | None]) -> None:
