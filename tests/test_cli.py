@@ -278,7 +278,7 @@ def test_readme_first_command_shows_units_with_their_file_names(tmp_path: Path) 
                             capture_output=True, text=True, cwd=tmp_path, timeout=60)
     assert result.returncode == 0, result.stderr
     names = [line for line in result.stdout.splitlines() if line.startswith("==> ")]
-    assert names == [f"==> units/{n} <==" for n in ("consulrun-_watchdog.jobs", "consulrun-_watchdog.service",
+    assert names == [f"==> units/{n} <==" for n in ("consulrun-_watchdog-jobs.jobs", "consulrun-_watchdog.service",
                                                    "consulrun-_watchdog.timer",
                                                    "consulrun-billing-report.service", "consulrun-billing-report.timer",
                                                    "consulrun-cache-warm.service", "consulrun-cache-warm.timer",

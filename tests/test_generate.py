@@ -70,8 +70,8 @@ def test_watchdog_of_a_big_manifest_is_a_loadable_unit(tmp_path: Path) -> None:
     assert code == 0, err
     service = out / "consulrun-_watchdog.service"
     assert max(len(line) for line in service.read_text().splitlines()) < 4096
-    assert "--jobs-file %Y/consulrun-_watchdog.jobs" in service.read_text()
-    jobs = out / "consulrun-_watchdog.jobs"
+    assert "--jobs-glob %Y/consulrun-_watchdog*.jobs" in service.read_text()
+    jobs = out / "consulrun-_watchdog-big.jobs"
     assert len(jobs.read_bytes()) > 128 * 1024  # what used to be one argument
     result = subprocess.run(["systemd-analyze", "verify", "--man=no", str(service)], capture_output=True, text=True,
                             cwd=out)
@@ -93,13 +93,23 @@ def test_generate_prints_what_it_wrote_and_removes_stale_units(tmp_path: Path) -
     foreign = tmp_path / "hand-made.service"
     foreign.write_text("[Service]\nExecStart=/bin/true\n")
     (tmp_path / "edited").mkdir()
-    manifest = tmp_path / "edited" / "manifest.yaml"  # the same manifest (its name is its file name), one job less
-    manifest.write_text(CASES["tls-and-checks"].read_text().split("  sync:")[0])
-    code, out, _ = invoke("generate", str(manifest), "-o", str(tmp_path), "--consulrun-path", CONSULRUN)
+    manifest = tmp_path / "edited" / "manifest.yaml"  # the same manifest, one job less, given its name
+    manifest.write_text("name: manifest\n" + CASES["tls-and-checks"].read_text().split("  sync:")[0])
+    code, out, err = invoke("generate", str(manifest), "-o", str(tmp_path), "--consulrun-path", CONSULRUN)
+    assert (code, out) == (2, "")  # the units record the file that made them: this is another file
+    assert f"belongs to {CASES['tls-and-checks']}, not to {manifest}: two manifests named 'manifest'" in err
+    copy = tmp_path / "edited" / "copy"
+    copy.mkdir()
+    shutil.copy(CASES["tls-and-checks"], copy / "manifest.yaml")
+    assert invoke("generate", str(copy / "manifest.yaml"), "-o", str(copy / "units"), "--consulrun-path",
+                  CONSULRUN)[0] == 0
+    (copy / "manifest.yaml").write_text(manifest.read_text())  # the same file, one job less
+    code, out, _ = invoke("generate", str(copy / "manifest.yaml"), "-o", str(copy / "units"), "--consulrun-path",
+                          CONSULRUN)
     assert code == 0
-    assert out.splitlines()[2:] == [f"removed {tmp_path / n}" for n in ("ops-sync.service", "ops-sync.timer")]
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["edited", "hand-made.service", "ops-rotate-logs.service",
-                                                          "ops-rotate-logs.timer"]
+    assert out.splitlines()[2:] == [f"removed {copy / 'units' / n}" for n in ("ops-sync.service", "ops-sync.timer")]
+    assert sorted(p.name for p in (copy / "units").iterdir()) == ["ops-rotate-logs.service",
+                                                                 "ops-rotate-logs.timer"]
 
 
 def two_manifests(tmp_path: Path) -> tuple[Path, Path]:
@@ -141,9 +151,11 @@ def test_a_unit_of_another_manifest_in_the_way_is_refused_naming_both(tmp_path: 
     assert (code, out) == (2, "")
     assert err.startswith(f"Error: {out_dir}/consulrun-backup.service belongs to manifest 'a', not to 'b'")
     assert {p.name: p.read_text() for p in out_dir.iterdir()} == before
-    named = tmp_path / "named.yaml"  # a `name:` says which manifest it is, whatever the file is called
+    named = tmp_path / "named.yaml"  # a `name:` of another file's manifest does not make it that manifest
     named.write_text("name: a\n" + b.read_text())
-    assert invoke("generate", str(named), "-o", str(out_dir), "--consulrun-path", CONSULRUN)[0] == 0
+    assert invoke("generate", str(named), "-o", str(out_dir), "--consulrun-path", CONSULRUN)[0] == 2
+    a.write_text("name: a\n" + b.read_text())  # a.yaml given a name keeps the units it made
+    assert invoke("generate", str(a), "-o", str(out_dir), "--consulrun-path", CONSULRUN)[0] == 0
     assert "ExecStart=/usr/local/bin/consulrun run" in (out_dir / "consulrun-backup.service").read_text()
 
 

@@ -265,15 +265,18 @@ def test_a_run_finishing_while_the_watchdog_judges_wins(catalog: Agent, tmp_path
 def test_watchdog_runs_under_its_own_lock_as_its_unit_runs_it(catalog: Agent, tmp_path: Path) -> None:
     manifest = write_manifest(tmp_path, '  job1: {command: "true", schedule: "minutely"}\n', "health_checks: true\n")
     from consulrun.manifest.loader import load_manifest
-    from consulrun.units.render import watchdog_job, watchdog_jobs_text
+    from consulrun.units.owner import identity
+    from consulrun.units.render import watchdog_job, watchdog_jobs_name, watchdog_jobs_text
+    from consulrun.units.shared import jobs_glob
 
     loaded = load_manifest(manifest)
     job = watchdog_job(loaded, "consulrun")
-    jobs_file = tmp_path / "consulrun-_watchdog.jobs"  # the unit names it as %Y/<file>: beside the unit file
-    jobs_file.write_text(watchdog_jobs_text(loaded))
-    assert job.command[-1] == "--jobs-file"
+    ident = identity(loaded, tmp_path)
+    jobs_file = tmp_path / watchdog_jobs_name(loaded, ident)  # the unit finds it as %Y/<glob>: beside the unit
+    jobs_file.write_text(watchdog_jobs_text(loaded, ident, "consulrun"))
+    assert job.command[-1] == "--jobs-glob"
     argv = ["run", "--schedule", job.schedules[0], "--history", "1", job.name, "--",
-            sys.executable, "-m", "consulrun", *job.command[1:], str(jobs_file)]
+            sys.executable, "-m", "consulrun", *job.command[1:], str(tmp_path / jobs_glob(loaded.unit_prefix))]
     code, _, err = finish(consulrun(*argv))
     assert code == 0, err
     assert checks(catalog)["job1"]["Output"] == "never run"

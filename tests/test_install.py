@@ -21,6 +21,7 @@ from consulrun.protocol import keys as kvkeys
 from tests.conftest import artifact_dir, container_binds, require_tool
 from tests.harness.agents import consul_binary as consul_bin_path
 from tests.harness.agents import wait_for
+from tests.harness.booted import agent_node, boot, start_agent  # noqa: F401 - other modules use them here
 from tests.harness.netns import Network
 from tests.harness.nspawn import Container, tear_down
 
@@ -37,36 +38,6 @@ def manifest(jobs: dict[str, dict], **top: object) -> str:
 def tick_job(every: str = "*:*:0/2", extra: dict | None = None) -> dict:
     return {"command": ["sh", "-c", "echo $CONSULRUN_OCCURRENCE $(hostname) >> /shared/runs"], "schedule": every,
             **(extra or {})}
-
-
-def start_agent(ctr: Container, consul_bin: str, node: str, args: list[str], log: Path) -> subprocess.Popen[bytes]:
-    """Start the node's agent; ready once the catalog (served by a leader) lists this node."""
-    proc = ctr.spawn(consul_bin, "agent", "-node", node, "-hcl", "disable_update_check = true", *args, log=log)
-    wait_for(lambda: node in ctr.exec(consul_bin, "catalog", "nodes", check=False).stdout.split(), 60,
-             f"Consul on {node} to join a cluster with a leader")
-    return proc
-
-
-def boot(name: str, workdir: Path, netns: str) -> Container:
-    require_tool("systemd-nspawn")
-    if os.geteuid() != 0:
-        pytest.fail("booting systemd containers needs root", pytrace=False)
-    return Container(name, workdir, netns=netns, binds=container_binds()).start()
-
-
-@contextmanager
-def agent_node(consul_bin: str, workdir: Path, subnet: str, tag: str) -> Iterator[Container]:
-    """One booted container in its own network namespace with a Consul dev agent of its own; all gone after."""
-    network = Network(1, subnet=subnet, tag=tag).up()
-    ctr = None
-    agent = None
-    try:
-        ctr = boot(f"cr{tag}{os.getpid() % 100000}", workdir, network.namespace(0))
-        agent = start_agent(ctr, consul_bin, "solo", ["-dev", "-client", "127.0.0.1", "-bind", "127.0.0.1"],
-                            workdir / "consul.log")
-        yield ctr
-    finally:
-        tear_down(ctr, agent, network)
 
 
 @pytest.fixture(scope="module")

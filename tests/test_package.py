@@ -99,7 +99,7 @@ def test_readme_first_command_works_on_a_fresh_copy(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr
     assert "[Timer]\nOnCalendar=*-*-* 02:00:00\n" in result.stdout
     assert sorted(p.name for p in (copy / "units").iterdir()) == [
-        "consulrun-_watchdog.jobs", "consulrun-_watchdog.service", "consulrun-_watchdog.timer",
+        "consulrun-_watchdog-jobs.jobs", "consulrun-_watchdog.service", "consulrun-_watchdog.timer",
         "consulrun-billing-report.service", "consulrun-billing-report.timer",
         "consulrun-cache-warm.service", "consulrun-cache-warm.timer",
         "consulrun-onfailure@billing-report.service", "consulrun-onfailure@cache-warm.service"]

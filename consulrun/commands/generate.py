@@ -28,20 +28,22 @@ def generate(manifest: Path, output: str, check: bool, templates: Path | None, c
              manifest_name: str | None) -> None:
     """Render MANIFEST into <prefix>-<job>.service/.timer files. MANIFEST may be - (standard input).
 
-    Each file names the manifest it came from (`name:`, else the file name);
-    files in DIR that this manifest made and no longer makes are removed (and
-    listed), another manifest's are left alone, and one of another manifest's
-    in the way of a unit is refused (exit 2).
+    Each file names the manifest it came from (`name:`, else the file name,
+    and then the file's path relative to DIR); files in DIR that this manifest
+    made and no longer makes are removed (and listed), another manifest's are
+    left alone, and one of another manifest's in the way of a unit, or units of
+    another manifest of the same name (another jobs.yaml), are refused (exit 2).
     """
     from consulrun.manifest.hardening import relaxed_lines
     from consulrun.units.guarantees import warnings
     from consulrun.units.install import plan
-    from consulrun.units.owner import named, owner
+    from consulrun.units.owner import identity, named
     from consulrun.units.render import render, unowned_units, unowned_warning, write_units
 
     loaded, _ = read_manifest(manifest)
     loaded = named(loaded, manifest_name)
-    units = render(loaded, consulrun_path, templates)
+    ident = identity(loaded, None if output == "-" else Path(output), writing=output != "-")
+    units = render(loaded, consulrun_path, templates, ident)
     for line in [*warnings(loaded), *relaxed_lines(loaded, consulrun_path)]:
         click.echo(f"warning: {line}", err=True)
     if output == "-":
@@ -50,7 +52,7 @@ def generate(manifest: Path, output: str, check: bool, templates: Path | None, c
         return
     outdir = Path(output)
     if check:
-        diff = plan(units, outdir, owner(loaded)).diff()
+        diff = plan(units, outdir, ident).diff()
         if diff:
             click.echo(diff, nl=False)
             click.echo(f"{outdir} is out of date with {manifest}", err=True)
@@ -60,7 +62,7 @@ def generate(manifest: Path, output: str, check: bool, templates: Path | None, c
     unowned = unowned_units(outdir, units, loaded.unit_prefix)
     if unowned:
         click.echo(f"warning: {unowned_warning(outdir, unowned)}", err=True)
-    written, removed = write_units(units, outdir, owner(loaded))
+    written, removed = write_units(units, outdir, ident)
     for path in written:
         click.echo(str(path))
     for path in removed:

@@ -49,7 +49,8 @@ def install(manifest: Path, root: Path | None, unit_dir: Path, dry_run: bool, no
     """Install MANIFEST's units on this node, or on each --host over ssh.
 
     Writes only units it generated (a foreign file with one of their names is
-    an error, another manifest's is refused with exit 2), removes (and lists)
+    an error, another manifest's is refused with exit 2, and so are units of
+    another manifest of the same name, e.g. another jobs.yaml), removes (and lists)
     this manifest's units for jobs no longer in it, never another's, runs
     systemctl daemon-reload and enables (and starts) the timers. A second run
     with the same manifest changes nothing. If anything fails, the previous

@@ -24,22 +24,24 @@ def uninstall(manifest: Path | None, root: Path | None, unit_dir: Path, dry_run:
     """Remove every unit MANIFEST owns from this node: disable and stop its timers, remove the files, reload systemd.
 
     The units are found by the manifest's name they carry (`name:`, else the
-    file name), not by the jobs the manifest has now, so units of jobs since
-    removed from it go too, and no other manifest's unit is touched. Without
-    MANIFEST (a manifest since deleted), --name NAME says which. If a step
+    file name, and then the file), not by the jobs the manifest has now, so
+    units of jobs since removed from it go too, and no other manifest's unit is
+    touched. Without MANIFEST (a manifest since deleted or moved), --name NAME
+    says which: every unit of that name goes, whichever file wrote it. If a step
     fails, the units are put back. State in Consul is kept (see `forget`).
     """
     from consulrun.units.install import uninstall_local
-    from consulrun.units.owner import named, owner
+    from consulrun.manifest.loader import Manifest
+    from consulrun.units.owner import named
 
+    which: Manifest | str
     if manifest is None:
         if not manifest_name:
             raise UsageError("give MANIFEST, or --name NAME of a manifest whose file is gone")
-        name = named_only(manifest_name)
+        which = named_only(manifest_name)
     else:
-        loaded, _ = read_manifest(manifest)
-        name = owner(named(loaded, manifest_name))
-    report = uninstall_local(name, root=root, unit_dir=unit_dir, dry_run=dry_run)
+        which = named(read_manifest(manifest)[0], manifest_name)
+    report = uninstall_local(which, root=root, unit_dir=unit_dir, dry_run=dry_run)
     click.echo("".join(report.diff), nl=False)
     for line in report.lines:
         click.echo(line)

@@ -100,6 +100,19 @@ class Watched:
                            for j in self.jobs}, sort_keys=True, separators=(",", ":"))
 
     @classmethod
+    def merged(cls, lists: list["Watched"]) -> "Watched":
+        """Several manifests' lists judged as one (they share a watchdog unit); a job in two lists
+        is judged by the first."""
+        jobs: dict[str, WatchedJob] = {}
+        for watched in lists:
+            for job in watched.jobs:
+                if job.name in jobs and jobs[job.name] != job:
+                    log.warning("watchdog: job %s is in two manifests' job lists with different "
+                                "schedules or timeouts; judged by the first", job.name)
+                jobs.setdefault(job.name, job)
+        return cls(tuple(jobs[name] for name in sorted(jobs)))
+
+    @classmethod
     def from_json(cls, text: str) -> "Watched":
         try:
             data = json.loads(text)

@@ -19,9 +19,10 @@ from consulrun.manifest import hardening, unitescape, unitsettings
 from consulrun.manifest.durations import format_duration
 from consulrun.manifest.loader import Job, LockSettings, Manifest, TimerSettings
 from consulrun.protocol.fencing import stop_timeout_ms
-from consulrun.units import chains
+from consulrun.units import chains, shared
 from consulrun.units.guarantees import start_timeout_ms
-from consulrun.units.owner import GENERATED_MARKER, OWNER_MARKER, claimed_by_another, owner, owner_of
+from consulrun.units.owner import GENERATED_MARKER, OWNED_SUFFIXES, SHARED_MARKER, Identity
+from consulrun.units.owner import check_folder, identity, is_ours, is_shared, recorded
 from consulrun.units.runline import WATCHDOG_JOB, run_argv  # noqa: F401 - run_argv: render's callers use it here
 
 HEADER = (f"{GENERATED_MARKER} from a job manifest. Do not edit: change the manifest and run\n"
@@ -29,8 +30,14 @@ HEADER = (f"{GENERATED_MARKER} from a job manifest. Do not edit: change the mani
 TEMPLATE_NAMES = ("service.j2", "timer.j2", "onfailure.j2")
 
 
-def header(manifest: Manifest) -> str:
-    return f"{HEADER}\n{OWNER_MARKER}{owner(manifest, writing=False)}"
+def header(manifest: Manifest, ident: Identity | None = None) -> str:
+    return f"{HEADER}\n{(ident or identity(manifest, None, writing=False)).header_lines()}"
+
+
+def shared_header(manifest: Manifest) -> str:
+    """The watchdog unit's header names no manifest (units.shared): the same whoever writes it."""
+    return (f"{HEADER}\n{SHARED_MARKER}the watchdog of every manifest with a "
+            f"{shared.jobs_glob(manifest.unit_prefix)} file beside it")
 
 
 def shipped_templates() -> Path:
@@ -81,17 +88,14 @@ def on_failure_argv(manifest: Manifest, job: Job, consulrun_path: str) -> list[s
 
 
 
-WATCHDOG_JOBS_SUFFIX = ".jobs"
-OWNED_SUFFIXES = (".service", ".timer", WATCHDOG_JOBS_SUFFIX)  # what generate and install replace and remove
-
-
-def watchdog_jobs_name(manifest: Manifest) -> str:
+def watchdog_jobs_name(manifest: Manifest, ident: Identity) -> str:
     """The file beside the units with what the watchdog judges: the manifest's schedules, timers and timeouts."""
-    return f"{manifest.unit_prefix}-{WATCHDOG_JOB}{WATCHDOG_JOBS_SUFFIX}"
+    return shared.jobs_file_name(manifest.unit_prefix, ident.name)
 
 
-def watchdog_jobs_text(manifest: Manifest) -> str:
-    """That file's text: the generated-by header (so it is ours to replace and remove), then one JSON line.
+def watchdog_jobs_text(manifest: Manifest, ident: Identity, consulrun_path: str) -> str:
+    """That file's text: the generated-by header (so it is the manifest's to replace and remove),
+    what the shared watchdog unit must run with (`units.shared`), then one JSON line.
 
     Not in the unit's command line: a single argument may be at most 128 KiB
     (Linux's MAX_ARG_STRLEN) and a unit-file line 1 MiB (systemd), which a
@@ -99,20 +103,24 @@ def watchdog_jobs_text(manifest: Manifest) -> str:
     """
     from consulrun.report.watchdog import Watched
 
-    return f"{header(manifest)}\n{Watched.from_manifest(manifest).to_json()}\n"
+    settings = {"kv_prefix": manifest.kv_prefix, "consulrun": consulrun_path,
+                **{f"consul.{k}": v for k, v in sorted(vars(manifest.consul).items())}}
+    return (f"{header(manifest, ident)}\n{shared.settings_line(settings)}\n"
+            f"{Watched.from_manifest(manifest).to_json()}\n")
 
 
 def watchdog_job(manifest: Manifest, consulrun_path: str) -> Job:
     """The watchdog as a job of its own: once a minute, on one node (its own lock), judging every job's check.
 
     The manifest's schedules and timeouts travel in a file written beside the
-    units (`watchdog_jobs_name`), which the unit names with systemd's `%Y`
-    (the directory of the unit file itself), so the watchdog needs no copy
-    of the manifest on the node, wherever the units are installed.
+    units (`watchdog_jobs_name`), one for each manifest sharing the unit,
+    which the unit finds with systemd's `%Y` (the directory of the unit file
+    itself), so the watchdog needs no copy of a manifest on the node,
+    wherever the units are installed.
     """
     from consulrun.protocol.health import WATCHDOG_SCHEDULE
 
-    command = (consulrun_path, "watchdog", "--prefix", manifest.kv_prefix, "--jobs-file")
+    command = (consulrun_path, "watchdog", "--prefix", manifest.kv_prefix, "--jobs-glob")
     return Job(name=WATCHDOG_JOB, command=command, schedules=(WATCHDOG_SCHEDULE,),
                description=f"consulrun watchdog: the health checks of the jobs under {manifest.kv_prefix}/",
                user=None, group=None, working_directory=None, environment=(), environment_file=None,
@@ -146,23 +154,29 @@ def _consul_environment(manifest: Manifest) -> list[tuple[str, str]]:
     return [(name, value) for name, value in pairs if value]
 
 
-def render(manifest: Manifest, consulrun_path: str, templates: Path | None = None) -> dict[str, str]:
-    """Map each unit file name to its text; same inputs, same bytes."""
+def render(manifest: Manifest, consulrun_path: str, templates: Path | None = None,
+           ident: Identity | None = None) -> dict[str, str]:
+    """Map each unit file name to its text; same inputs, same bytes. `ident`: which manifest
+    the headers name (`owner.identity` for the folder written; without it, the name alone)."""
     if not os.path.isabs(consulrun_path):
         raise UsageError(f"the consulrun path in units must be absolute, not {consulrun_path!r}")
     env = _environment(templates)
     try:
         service_t, timer_t, failure_t = (env.get_template(name) for name in TEMPLATE_NAMES)
         units: dict[str, str] = {}
+        ident = ident or identity(manifest, None, writing=False)
         watchdog = (watchdog_job(manifest, consulrun_path),) if manifest.health_checks else ()
         if watchdog:
-            units[watchdog_jobs_name(manifest)] = watchdog_jobs_text(manifest)
+            jobs_text = watchdog_jobs_text(manifest, ident, consulrun_path)
+            units[watchdog_jobs_name(manifest, ident)] = jobs_text
         for job in (*manifest.jobs, *watchdog):
             service, timer = unit_names(manifest, job)
-            # The watchdog's last word is its jobs file, named with a specifier (`%Y`), which escaping would
-            # make literal; the name is made of the unit prefix's characters only.
-            path_word = f" %Y/{watchdog_jobs_name(manifest)}" if job.name == WATCHDOG_JOB else ""
-            context = {"header": header(manifest), "manifest": manifest, "job": job, "service_name": service,
+            # The watchdog's last word is its job lists' pattern, with a specifier (`%Y`), which
+            # escaping would make literal; it is made of the unit prefix's characters, `*` and `.`.
+            is_watchdog = job.name == WATCHDOG_JOB
+            path_word = f" %Y/{shared.jobs_glob(manifest.unit_prefix)}" if is_watchdog else ""
+            head = shared_header(manifest) if is_watchdog else header(manifest, ident)
+            context = {"header": head, "manifest": manifest, "job": job, "service_name": service,
                        "timer_name": timer, "run_argv": run_argv(manifest, job, consulrun_path),
                        "run_argv_suffix": path_word,
                        "consul_environment": _consul_environment(manifest),
@@ -273,14 +287,14 @@ def replace_atomic(target: Path, text: str) -> None:
         raise
 
 
-def stale_units(folder: Path, keep: dict[str, str] | set[str], name: str) -> list[str]:
-    """The generated files in `folder` that manifest `name` owns and no longer makes; another's are never among
-    them, nor files that name no manifest."""
-    try:
-        names = sorted(os.listdir(folder))
-    except OSError:  # no folder (yet), or not one: nothing in it to leave or remove
-        return []
-    return [n for n in names if n.endswith(OWNED_SUFFIXES) and n not in keep and owner_of(folder / n) == name]
+def stale_units(folder: Path, keep: dict[str, str] | set[str], ident: Identity) -> list[str]:
+    """The generated files in `folder` that manifest `ident` owns and no longer makes, then the
+    shared watchdog units no manifest's job list is left for; another manifest's are never
+    among them, nor files that name no manifest."""
+    names = shared.listing(folder)
+    own = [n for n in names if n.endswith(OWNED_SUFFIXES) and n not in keep
+           and is_ours(recorded(folder / n), ident)]
+    return own + shared.unused(dict.fromkeys(keep, ""), folder, names, set(own))
 
 
 def unowned_units(folder: Path, keep: dict[str, str], unit_prefix: str) -> list[str]:
@@ -291,7 +305,8 @@ def unowned_units(folder: Path, keep: dict[str, str], unit_prefix: str) -> list[
     except OSError:  # no folder (yet), or not one: nothing in it to leave or remove
         return []
     return [n for n in names if n.startswith(f"{unit_prefix}-") and n.endswith(OWNED_SUFFIXES) and n not in keep
-            and is_generated(folder / n) and owner_of(folder / n) is None]
+            and is_generated(folder / n) and recorded(folder / n) is None
+            and not is_shared(folder / n)]
 
 
 def unowned_warning(folder: Path, names: list[str]) -> str:
@@ -299,18 +314,21 @@ def unowned_warning(folder: Path, names: list[str]) -> str:
             "(remove them by hand if no manifest makes them any more)")
 
 
-def write_units(units: dict[str, str], outdir: Path, name: str) -> tuple[list[Path], list[Path]]:
-    """Make `outdir` hold exactly `units` among manifest `name`'s generated files; on failure nothing changes.
+def write_units(units: dict[str, str], outdir: Path,
+                ident: Identity) -> tuple[list[Path], list[Path]]:
+    """Make `outdir` hold exactly `units` among manifest `ident`'s generated files; on failure
+    nothing changes.
 
     Every file is first written beside its target, then all are renamed into
     place; earlier units of `name` that the manifest no longer has are
     removed. Files consulrun did not generate, and another manifest's, are
-    left alone; one in the way of a unit is refused. If a rename fails, the
+    left alone; one in the way of a unit, or another manifest of the same
+    name (`owner.check_identity`), is refused. If a rename fails, the
     files already renamed get their old text back (or go, if they are new) and
     no staged file is left behind. Returns (written, removed).
     """
     if outdir.is_dir():
-        claimed_by_another(units, outdir, name)
+        check_folder(units, outdir, ident)
     created_dir = not outdir.exists()
     staged: list[tuple[Path, Path]] = []
     previous: dict[Path, str | None] = {}
@@ -343,7 +361,7 @@ def write_units(units: dict[str, str], outdir: Path, name: str) -> tuple[list[Pa
             raise
         where = getattr(exc, "filename", None) or outdir
         raise OutputError(f"cannot write units to {outdir}: {where}: {exc.strerror or exc}; nothing changed") from None
-    stale = [outdir / n for n in stale_units(outdir, units, name)]
+    stale = [outdir / n for n in stale_units(outdir, units, ident)]
     for path in stale:
         path.unlink()
     return [target for _, target in staged], stale
