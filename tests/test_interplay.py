@@ -243,3 +243,35 @@ def test_a_start_deadline_records_its_own_occurrence_missed_and_leaves_the_live_
     assert runs[later]["state"] == "missed", runs
     assert kv_keys(consul, "consulrun/s/after/"), "the success child was not asked for"
     assert kv_keys(consul, "consulrun/f/after/") == []
+
+
+def test_each_node_waiting_for_its_own_run_notices_that_run_die_and_runs_its_occurrence(
+        consul: Agent, tmp_path: Path) -> None:
+    """The node waits on the slot its own earlier run holds, so the death of that run (its wrapper SIGKILLed,
+    its session reaped) ends the wait at once, not at the bound: the dead run is recorded abandoned and the
+    waiting occurrence runs, lock-delay later."""
+    started, go, runs2 = tmp_path / "started", tmp_path / "go", tmp_path / "runs2"
+    base = ("run", "--each-node", "--schedule", EVERY_10S, "--lock-delay", "5s", "--ttl", "10s", "ed")
+    fresh_occurrence(EVERY_10S)
+    first = consulrun(*base, "--", *gated(started, go))
+    second = None
+    try:
+        wait_for(started.exists, 20, "the first run")
+        first_occ = kv_json(consul, f"consulrun/ed/nodes/{consul.name}/occurrence")["occurrence"]
+        later = wait_for_next_occurrence(EVERY_10S, first_occ)
+        log = tmp_path / "second.log"
+        with log.open("w") as handle:
+            second = consulrun(*base, "--", "sh", "-c", f"echo ran >> {runs2}", stderr=handle)
+        wait_for(lambda: "still running" in log.read_text(), 10, "the second wrapper to wait for the first")
+        kill_wrapper(first)
+        code, _, err = cli("reap", "ed")
+        assert code == 0, err
+        assert finish(second, timeout=30)[0] == 0, log.read_text()
+    finally:
+        go.touch()
+        for proc in (first, second):
+            if proc is not None and proc.poll() is None:
+                kill_wrapper(proc)
+    runs = {e["occurrence"]: e for e in history("ed")}
+    assert runs[first_occ]["state"] == "abandoned", runs
+    assert runs[later]["state"] == "done" and lines(runs2) == ["ran"], (runs, log.read_text())

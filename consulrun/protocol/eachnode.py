@@ -144,9 +144,10 @@ def acquire(locker: Locker, ledger: NodeLedger, occ: Occurrence, wait_s: float,
 
 def _await_own_run(locker: Locker, ledger: NodeLedger, occ: Occurrence, snap: Snapshot,
                    bound: float) -> tuple[Held | None, dict[str, Any] | None, str] | None:
-    """Wait, with blocking reads of the node's record (no write), for this node's run of an earlier occurrence
-    to end; at the bound record `occ` missed for this node (its history entry only: the record is the live
-    run's until it ends). Only the run's own end, or its session's death, settles it."""
+    """Wait, with blocking reads of the slot that run holds (no write), for this node's run of an earlier
+    occurrence to end; at the bound record `occ` missed for this node (its history entry only: the record is
+    the live run's until it ends). Only the run's own end (its finish frees the slot) or its session's death
+    (Consul frees it) settles it: both move the slot's index and end the read."""
     remaining = bound - clock()
     earlier = printable((snap.record or {}).get("occurrence"))
     if remaining <= 0:
@@ -154,7 +155,9 @@ def _await_own_run(locker: Locker, ledger: NodeLedger, occ: Occurrence, snap: Sn
     locker.abandon()  # a session must not outlive its TTL unrenewed while we wait
     locker.say_waiting("own-run", f"this node's run of occurrence {earlier} is still running; waiting for it to "
                                   f"end for up to {duration(remaining)} (a node runs one occurrence at a time)")
-    ledger.await_claim(snap, min(remaining, 300))
+    slot = snap.lock or {}
+    locker.client.kv_get(str(slot.get("Key")), index=int(slot.get("ModifyIndex", 0)),
+                         wait_s=min(remaining, 300) * 16 / 17)  # Consul adds up to wait/16
     return None
 
 
