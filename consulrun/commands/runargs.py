@@ -201,18 +201,7 @@ def start(job: str, command: tuple[str, ...], prefix: str, ttl: int, lock_delay:
     problem = None if job == WATCHDOG_JOB else name_problem(job)  # the watchdog's own lock is one to run
     if problem:
         raise UsageError(problem)
-    if schedules and concurrency != 1 and not each_node:
-        raise UsageError("--schedule runs each occurrence once; it cannot be combined with --concurrency "
-                         "(unless --each-node: every node once, --concurrency at a time)")
-    if each_node and not schedules:
-        raise UsageError("--each-node runs each scheduled occurrence once on every node: it needs --schedule")
-    if each_node and on_holder_loss == "retry":
-        raise UsageError("--each-node runs this node's own share, which no other node may take over: it needs "
-                         "--on-holder-loss skip")
-    for spec_text in schedules:
-        problem = schedule_problem(spec_text)
-        if problem:
-            raise UsageError(f"--schedule: {problem}")
+    _check_schedule_options(schedules, concurrency, each_node, on_holder_loss)
     thens = _chain_options(job, after, then, concurrency)
     if each_node and (after or then):
         raise UsageError("--each-node runs an occurrence on every node: a chain (--after, --then) joins one run to one")
@@ -222,22 +211,8 @@ def start(job: str, command: tuple[str, ...], prefix: str, ttl: int, lock_delay:
         raise UsageError("--start-deadline is about a scheduled occurrence: it needs --schedule (or --after)")
     if retry_max_backoff < retry_backoff:
         raise UsageError("--retry-max-backoff must be at least --retry-backoff")
-    if ping_output_lines is not None and ping_url is None:
-        raise UsageError("--ping-output-lines sends the output with the final ping: it needs --ping-url")
-    if ping_url is not None:
-        from consulrun.protocol.notify import ping_url_problem
-
-        problem = ping_url_problem(ping_url)
-        if problem:
-            raise UsageError(f"--ping-url: {problem}")
-    if command and command[0] == "--":
-        command = command[1:]
-    elif command and command[0].startswith("-"):
-        # `run JOB --ttl 10s -- cmd` must not run `--ttl` as the job: options go before JOB.
-        raise UsageError(f"options go before JOB: {command[0]!r} follows {job!r}; "
-                         "write consulrun run [OPTIONS] JOB -- COMMAND [ARG]...")
-    if not command:
-        raise UsageError("no command given: consulrun run JOB -- COMMAND [ARG]...")
+    _check_ping_options(ping_url, ping_output_lines)
+    command = _the_command(job, command)
     placement = _placement(node_meta, node_names) if node_meta or node_names else None
     from consulrun.consul.client import consul_config
     from consulrun.protocol.lock import LockSpec
@@ -254,6 +229,47 @@ def start(job: str, command: tuple[str, ...], prefix: str, ttl: int, lock_delay:
                          ping_output_lines=ping_output_lines or 0, after=after, thens=thens,
                          each_node=each_node)
     sys.exit(run_job(request, consul_config(consul)))
+
+
+def _check_schedule_options(schedules: tuple[str, ...], concurrency: int, each_node: bool,
+                            on_holder_loss: str) -> None:
+    """--schedule, --each-node, --concurrency and --on-holder-loss together, and each schedule's spec."""
+    if schedules and concurrency != 1 and not each_node:
+        raise UsageError("--schedule runs each occurrence once; it cannot be combined with --concurrency "
+                         "(unless --each-node: every node once, --concurrency at a time)")
+    if each_node and not schedules:
+        raise UsageError("--each-node runs each scheduled occurrence once on every node: it needs --schedule")
+    if each_node and on_holder_loss == "retry":
+        raise UsageError("--each-node runs this node's own share, which no other node may take over: it needs "
+                         "--on-holder-loss skip")
+    for spec_text in schedules:
+        problem = schedule_problem(spec_text)
+        if problem:
+            raise UsageError(f"--schedule: {problem}")
+
+
+def _check_ping_options(ping_url: str | None, ping_output_lines: int | None) -> None:
+    if ping_output_lines is not None and ping_url is None:
+        raise UsageError("--ping-output-lines sends the output with the final ping: it needs --ping-url")
+    if ping_url is not None:
+        from consulrun.protocol.notify import ping_url_problem
+
+        problem = ping_url_problem(ping_url)
+        if problem:
+            raise UsageError(f"--ping-url: {problem}")
+
+
+def _the_command(job: str, command: tuple[str, ...]) -> tuple[str, ...]:
+    """COMMAND without a leading `--`; options after JOB, or no command, refused."""
+    if command and command[0] == "--":
+        command = command[1:]
+    elif command and command[0].startswith("-"):
+        # `run JOB --ttl 10s -- cmd` must not run `--ttl` as the job: options go before JOB.
+        raise UsageError(f"options go before JOB: {command[0]!r} follows {job!r}; "
+                         "write consulrun run [OPTIONS] JOB -- COMMAND [ARG]...")
+    if not command:
+        raise UsageError("no command given: consulrun run JOB -- COMMAND [ARG]...")
+    return command
 
 
 def _chain_options(job: str, after: tuple[str, ...], then: tuple[str, ...],
