@@ -170,14 +170,7 @@ def _schema_problem(err: jsonschema.ValidationError, problems: _Problems) -> Non
     kind = err.validator
     schema = err.schema
     if kind == "additionalProperties":
-        known = sorted(schema.get("properties", {}))
-        patterns = list(schema.get("patternProperties", {}))
-        extras = {k for k in set(err.instance) - set(known)
-                  if not (isinstance(k, str) and any(re.search(pat, k) for pat in patterns))}
-        for extra in sorted(extras, key=str):
-            hint = difflib.get_close_matches(str(extra), known, n=1)
-            suffix = f" (did you mean {hint[0]!r}?)" if hint else f" (known keys: {', '.join(known)})"
-            problems.add(path + (extra,), f"unknown key {_shown(extra)}{suffix}", key=True)
+        _unknown_keys(err, path, problems)
     elif kind == "required":
         for missing in (k for k in err.validator_value if k not in err.instance):
             problems.add(path, f"missing required key {missing!r}")
@@ -195,20 +188,12 @@ def _schema_problem(err: jsonschema.ValidationError, problems: _Problems) -> Non
     elif kind == "oneOf" and "x-message" in schema:
         problems.add(path, f"{_shown(err.instance)} {schema['x-message']}")
     elif kind == "oneOf":
-        kind_of = {str: "string", list: "array"}.get(type(err.instance))
-        branch = next((i for i, sub in enumerate(err.validator_value) if sub.get("type") == kind_of), None)
-        inner = [e for e in err.context if e.relative_schema_path and e.relative_schema_path[0] == branch]
-        if inner:  # the value has the right type: say what is wrong inside it
-            for sub_error in inner:
-                _schema_problem(sub_error, problems)
-        else:
-            problems.add(path, f"expected a non-empty string or a non-empty list of strings, got {_describe(err.instance)}")
+        _string_or_list(err, path, problems)
     elif kind in ("minimum", "maximum"):
         low, high = schema.get("minimum"), schema.get("maximum")
-        if "x-expected" in schema:  # a duration given as a number of seconds
-            problems.add(path, f"{err.instance} is out of range: seconds must be from {low} to {high}")
-        else:
-            problems.add(path, f"must be between {low} and {high}, not {err.instance}")
+        seconds = "x-expected" in schema  # a duration given as a number of seconds
+        problems.add(path, f"{err.instance} is out of range: seconds must be from {low} to {high}" if seconds
+                     else f"must be between {low} and {high}, not {err.instance}")
     elif kind == "minProperties":
         problems.add(path, schema.get("x-empty", "must define at least one job"))
     elif kind in ("minItems", "minLength"):
@@ -221,6 +206,32 @@ def _schema_problem(err: jsonschema.ValidationError, problems: _Problems) -> Non
         problems.add(path, f"has too many keys: at most {err.validator_value}, got {len(err.instance)}")
     else:
         problems.add(path, err.message if len(err.message) < 200 else err.message[:197] + "...")
+
+
+def _unknown_keys(err: jsonschema.ValidationError, path: tuple[Any, ...], problems: _Problems) -> None:
+    """Each key the schema does not know, with the nearest known one (or the list of them)."""
+    schema = err.schema
+    known = sorted(schema.get("properties", {}))
+    patterns = list(schema.get("patternProperties", {}))
+    extras = {k for k in set(err.instance) - set(known)
+              if not (isinstance(k, str) and any(re.search(pat, k) for pat in patterns))}
+    for extra in sorted(extras, key=str):
+        hint = difflib.get_close_matches(str(extra), known, n=1)
+        suffix = f" (did you mean {hint[0]!r}?)" if hint else f" (known keys: {', '.join(known)})"
+        problems.add(path + (extra,), f"unknown key {_shown(extra)}{suffix}", key=True)
+
+
+def _string_or_list(err: jsonschema.ValidationError, path: tuple[Any, ...], problems: _Problems) -> None:
+    """A value that is a string or a list of strings: what is wrong inside the branch of its type, else its
+    type."""
+    kind_of = {str: "string", list: "array"}.get(type(err.instance))
+    branch = next((i for i, sub in enumerate(err.validator_value) if sub.get("type") == kind_of), None)
+    inner = [e for e in err.context if e.relative_schema_path and e.relative_schema_path[0] == branch]
+    for sub_error in inner:  # the value has the right type: say what is wrong inside it
+        _schema_problem(sub_error, problems)
+    if not inner:
+        problems.add(path, "expected a non-empty string or a non-empty list of strings, got "
+                           f"{_describe(err.instance)}")
 
 
 def _ms(value: str | int) -> int:
