@@ -206,6 +206,11 @@ def test_each_node_never_settles_its_own_live_run_nor_runs_two_occurrences_at_on
         assert later[0]["started"] >= node_history[first_occ]["ended"], node_history  # never two at once
     else:
         assert later[0]["state"] == "missed" and not runs2.exists(), node_history
+        # The miss is in the node's history alone (its record is the run that ended done): status still says it.
+        code, out, err = cli("status", "--json", "en")
+        assert code == 3, (out, err)
+        problems = [p for job in json.loads(out)["jobs"] for p in job["problems"]]
+        assert any(p["kind"] == "missed" and p.get("occurrence") == later[0]["occurrence"] for p in problems), out
 
 
 # --- 5. a start deadline beside a live run ----------------------------------------------------------------------

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 from consulrun.consul.client import Client, decoded
 from consulrun.manifest import calendar
 from consulrun.protocol.eachnode import node_of_key
+from consulrun.timefmt import parse_time
 
 if TYPE_CHECKING:
     from consulrun.manifest.loader import Job
@@ -81,6 +82,26 @@ def judge(status: JobStatus, keys: dict[str, dict[str, Any]], schedules: tuple[s
             status.problem("missed", f"occurrence {calendar.occurrence_id(prior)} neither ran nor was recorded "
                                      f"missed on {node}; its latest is {record.get('occurrence')}",
                            occurrence=calendar.occurrence_id(prior), node=node)
+
+
+def recorded_misses(status: JobStatus, keys: dict[str, dict[str, Any]], now: datetime,
+                    window_s: float) -> None:
+    """Misses recorded in a node's history within `window_s`, other than its record's (judged above): a node
+    whose own run of an earlier occurrence outlived its interval records the next one missed in its history
+    entry alone, and the record, that run's, then ends `done`."""
+    records = node_records(keys)
+    for key, entry in sorted(keys.items()):
+        parts = key.split("/")
+        if len(parts) != 4 or parts[0] != "nodes" or parts[2] != "history":
+            continue
+        node, value = node_of_key(parts[1]), decoded(entry)
+        when = parse_time(value.get("occurrence"))
+        if value.get("state") != "missed" or when is None or (now - when).total_seconds() > window_s \
+                or value.get("occurrence") == records.get(node, {}).get("occurrence"):
+            continue
+        status.problem("missed", f"occurrence {value['occurrence']} on {node} was missed: "
+                                 f"{value.get('reason') or 'no reason recorded'}",
+                       occurrence=value["occurrence"], node=node)
 
 
 def down_nodes(client: Client, status: JobStatus, job: Job | None) -> None:

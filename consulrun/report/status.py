@@ -368,6 +368,7 @@ def judge_job(name: str, keys: dict[str, dict[str, Any]], manifest: Manifest | N
                            ahead_s=clockskew.reported(lead), occurrence=record.get("occurrence"))
     if each_node:
         eachnode.judge(status, keys, expect.schedules if expect else (), expect.lag_s if expect else None, now, record)
+        eachnode.recorded_misses(status, keys, now, RECORDED_MISS_REPORT_S)
     _clock_findings(status, keys, now)
     _recorded_misses(status, keys, record, now)
     _overdue_holders(status, expect, now)
