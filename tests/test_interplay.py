@@ -280,3 +280,50 @@ def test_each_node_waiting_for_its_own_run_notices_that_run_die_and_runs_its_occ
     runs = {e["occurrence"]: e for e in history("ed")}
     assert runs[first_occ]["state"] == "abandoned", runs
     assert runs[later]["state"] == "done" and lines(runs2) == ["ran"], (runs, log.read_text())
+
+
+def test_takeovers_keep_the_earlier_attempts_one_flat_list() -> None:
+    """Each takeover adds the attempt it took over to `earlier`, without that attempt's own `earlier` (the list
+    itself): copied whole, four takeovers nested the record past what every reader accepts, and the job never
+    ran again (red team, break 1)."""
+    from consulrun.consul.values import decode
+    from consulrun.protocol.occurrence import Ledger, Occurrence, Snapshot
+
+    ledger = Ledger(None, "consulrun/flat", 5, policy="retry")  # type: ignore[arg-type] - claim_ops sends nothing
+    when = datetime(2026, 1, 1, 2, tzinfo=timezone.utc)
+    occ = Occurrence(when=when, id="2026-01-01T02:00:00Z", next_when=None, specs=(DAILY,))
+    record = {"occurrence": occ.id, "state": "running", "node": "n1", "session": "s1", "attempt": 1, "earlier": []}
+    for n in range(2, 8):
+        snap = Snapshot(record_index=n, record=record, lock=None)
+        _, record = ledger.claim_ops(occ, snap, {"node": f"n{n}", "session": f"s{n}", "started": occ.id},
+                                     takeover=True)
+    assert record["attempt"] == 7 and [e["attempt"] for e in record["earlier"]] == [1, 2, 3, 4, 5, 6]
+    assert all("earlier" not in e for e in record["earlier"]), record
+    entry = {"Key": "consulrun/flat/occurrence", "Value": json.dumps(record).encode()}
+    assert decode(entry) == record  # what every reader accepts (values.py refuses a deeper nest)
+
+
+def test_each_node_waiting_for_its_own_run_records_its_start_deadline_when_it_passes(
+        consul: Agent, tmp_path: Path) -> None:
+    """A start deadline ends the wait for the node's own earlier run, as it ends a wait for a slot: the late
+    occurrence is recorded missed for its deadline (in its history entry alone), not at the bound."""
+    started, go = tmp_path / "started", tmp_path / "go"
+    base = ("run", "--each-node", "--concurrency", "2", "--schedule", EVERY_10S, "--start-deadline", "3s",
+            "--lock-delay", "5s", "--ttl", "10s", "esd")
+    fresh_occurrence(EVERY_10S)
+    first = consulrun(*base, "--", *gated(started, go))
+    try:
+        wait_for(started.exists, 20, "the first run")
+        first_occ = kv_json(consul, f"consulrun/esd/nodes/{consul.name}/occurrence")["occurrence"]
+        later = wait_for_next_occurrence(EVERY_10S, first_occ)
+        code, _, err = finish(consulrun(*base, "--", "true"), timeout=30)
+        assert code == 0 and "start_deadline" in err, err
+        go.touch()
+        assert finish(first, timeout=30)[0] == 0
+    finally:
+        go.touch()
+        if first.poll() is None:
+            kill_wrapper(first)
+    runs = {e["occurrence"]: e for e in history("esd")}
+    assert runs[later]["state"] == "missed" and "start_deadline" in runs[later]["reason"], runs
+    assert runs[first_occ]["state"] == "done", runs

@@ -142,8 +142,18 @@ def acquire(locker: Locker, ledger: NodeLedger, occ: Occurrence, wait_s: float,
             return result
 
 
-def _await_own_run(locker: Locker, ledger: NodeLedger, occ: Occurrence, snap: Snapshot,
-                   bound: float) -> tuple[Held | None, dict[str, Any] | None, str] | None:
+def _own_run_bound(occ: Occurrence, bound: float, look: dict[str, Any]) -> float:
+    """How long one wait for the node's own earlier run lasts: to its bound, or, with a start deadline, until
+    the occurrence passes it (the next look then records it missed, as any late start is)."""
+    deadline = look.get("start_deadline_s")
+    if deadline is None:
+        return bound
+    left = deadline - (datetime.now(timezone.utc) - occ.when).total_seconds()
+    return min(bound, clock() + max(0.0, left) + 0.05)
+
+
+def _await_own_run(locker: Locker, ledger: NodeLedger, occ: Occurrence, snap: Snapshot, bound: float,
+                   until: float) -> tuple[Held | None, dict[str, Any] | None, str] | None:
     """Wait, with blocking reads of the slot that run holds (no write), for this node's run of an earlier
     occurrence to end; at the bound record `occ` missed for this node (its history entry only: the record is
     the live run's until it ends). Only the run's own end (its finish frees the slot) or its session's death
@@ -156,8 +166,9 @@ def _await_own_run(locker: Locker, ledger: NodeLedger, occ: Occurrence, snap: Sn
     locker.say_waiting("own-run", f"this node's run of occurrence {earlier} is still running; waiting for it to "
                                   f"end for up to {duration(remaining)} (a node runs one occurrence at a time)")
     slot = snap.lock or {}
+    wait = max(0.05, min(until - clock(), remaining, 300))
     locker.client.kv_get(str(slot.get("Key")), index=int(slot.get("ModifyIndex", 0)),
-                         wait_s=min(remaining, 300) * 16 / 17)  # Consul adds up to wait/16
+                         wait_s=wait * 16 / 17)  # Consul adds up to wait/16
     return None
 
 
@@ -197,7 +208,7 @@ def _step(locker: Locker, ledger: NodeLedger, occ: Occurrence, bound: float, ret
     if late := _past_start_deadline(occ, look):
         return None, None, _record_missed(locker, ledger, occ, snap, late)
     if snap.runner_alive():  # this node's run of an earlier occurrence goes on: one occurrence at a time
-        return _await_own_run(locker, ledger, occ, snap, bound)
+        return _await_own_run(locker, ledger, occ, snap, bound, _own_run_bound(occ, bound, look))
     free = [key for key in ledger.slot_keys if not slots.get(key, {}).get("Session")]
     if free and clock() < bound:
         claimed: dict[str, Any] = {}

@@ -225,8 +225,9 @@ class Ledger:
         """Operations that claim `occ`, valid only if the record is still at the index read."""
         record = snap.record or {}
         earlier: list[dict[str, Any]] = []
-        if takeover:
-            earlier = [*record.get("earlier", []), _final(record, "abandoned", ABANDONED_REASON)]
+        if takeover:  # the attempt taken over joins the list flat: its own `earlier` is the list itself
+            ended = {k: v for k, v in _final(record, "abandoned", ABANDONED_REASON).items() if k != "earlier"}
+            earlier = [*record.get("earlier", []), ended]
         claim = {"occurrence": occ.id, "state": "running", "node": holder.get("node"), "session": holder.get("session"),
                  "started": holder.get("started"), "takeover": takeover, "attempt": len(earlier) + 1,
                  "schedule": list(occ.specs), "zone": calendar.local_zone_name(),

@@ -162,9 +162,12 @@ def between(policy: RetryPolicy, locker: Locker, ledger: Ledger | None, held: He
     job = locker.spec.job
     ran = runs_made(claim) + 1  # counted from the record, not from this process: a takeover goes on from it
     why = why_not(policy, ran, status, stopped, due, datetime.now(timezone.utc))
+    # The attempt's number is the record's; after a takeover it runs ahead of the runs counted (an attempt
+    # abandoned in its backoff, never started, has a number but no run).
+    which = f"attempt {attempt} of {policy.attempts}" if attempt == ran else \
+        f"attempt {attempt} (run {ran} of {policy.attempts})"
     if why:
-        log.warning("%s: attempt %d of %d failed (exit status %d); no retry: %s", job, attempt, policy.attempts,
-                    status, why)
+        log.warning("%s: %s failed (exit status %d); no retry: %s", job, which, status, why)
     if why is not None:
         return claim, held, why
     backoff = policy.backoff_s(ran)
@@ -172,8 +175,8 @@ def between(policy: RetryPolicy, locker: Locker, ledger: Ledger | None, held: He
     if made is None:
         return claim, held, "the failed attempt could not be recorded"
     nxt, moved = made
-    log.warning("%s: attempt %d of %d failed (exit status %d); retrying in %s on this node, which keeps the lock",
-                job, attempt, policy.attempts, status, duration(backoff))
+    log.warning("%s: %s failed (exit status %d); retrying in %s on this node, which keeps the lock",
+                job, which, status, duration(backoff))
     why = wait_backoff(clock() + backoff, ended, sleep)
     if why:
         log.warning("%s: %s during the backoff; no further attempt: attempt %d's exit status %d stands", job, why,
