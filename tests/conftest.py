@@ -23,14 +23,33 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from tests.harness.agents import Agent, Cluster, consul_binary, save_logs, start_cluster, start_dev_agent
-from tests.harness.netns import Network
+# The shared helpers in tests/harness/ report a failed assert with its values, as test modules do.
+pytest.register_assert_rewrite("tests.harness")
+
+from tests.harness.agents import (  # noqa: E402 - after the rewrite above
+    Agent,
+    Cluster,
+    consul_binary,
+    save_logs,
+    start_cluster,
+    start_dev_agent,
+)
+from tests.harness.netns import Network  # noqa: E402
 
 if TYPE_CHECKING:
     from tests.harness.nspawn import Container
 
 REPO = Path(__file__).resolve().parents[1]
 ARTIFACTS = REPO / "test-artifacts"
+
+# Fixtures that several test modules use, each beside its helpers in tests/harness/ (a test module
+# never imports another: tests/test_layout.py).
+pytest_plugins = [
+    "tests.harness.acl",
+    "tests.harness.healthchecks",
+    "tests.harness.pings",
+    "tests.harness.sshd",
+]
 
 
 # Golden files rewritten by --update-golden in this run (paths relative to the repo), for the closing report.

@@ -16,9 +16,9 @@ import requests
 from click.testing import CliRunner
 
 from consulrun.cli import main
+from tests.harness.acl import acl as _acl, token_file as _token_file
 from tests.harness.agents import Agent, wait_for
-from tests.test_acl_tls import _acl, _token_file, acl_agent  # noqa: F401  (acl_agent is a fixture)
-from tests.test_run import consulrun, finish
+from tests.harness.runs import consulrun, finish
 
 pytestmark = pytest.mark.consul
 SCHEDULE = "*-01-01 00:00:00 UTC"
@@ -160,7 +160,7 @@ def test_a_manifest_does_not_choose_where_a_local_token_goes(tmp_path: Path) -> 
     """`consul: {address, token_file}` in a manifest someone else wrote: before, `status MANIFEST` sent
     `X-Consul-Token: <that file's content>` to the manifest's address. Now nothing reaches that address unless the
     operator says so; an address the operator gave takes the token as before."""
-    from tests.test_acl_tls import RawListener
+    from tests.harness.acl import RawListener
 
     secret = "vault-token-abc123"
     stolen = tmp_path / "vault-token"

@@ -18,7 +18,7 @@ from consulrun.protocol.keys import stamp
 from consulrun.errors import ManifestError
 from consulrun.manifest.loader import parse_manifest
 from tests.harness.agents import Agent, Cluster, wait_for
-from tests.test_run import consulrun, finish, kv_json
+from tests.harness.runs import consulrun, finish, kv_json
 
 YEARLY = "*-01-01 00:00:00 UTC"  # an occurrence that is always in the past and long before the next
 
@@ -546,8 +546,7 @@ def test_real_timers_run_the_parent_and_the_watcher_unit_runs_the_child_once_for
     import base64
     import json
 
-    from tests.test_faults import stop_agent_in
-    from tests.test_install import CONSULRUN, manifest, start_agent
+    from tests.harness.nodes import CONSULRUN, manifest, start_agent, stop_agent_in
 
     ctr = systemd_container
     agent = start_agent(ctr, consul_bin, "chainnode", ["-dev", "-client", "127.0.0.1", "-bind", "127.0.0.1"],

@@ -9,17 +9,13 @@ and report are kept in test-artifacts/.
 from __future__ import annotations
 
 import argparse
-import contextlib
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
-from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -27,41 +23,19 @@ from bench.chaos.checker import check
 from bench.chaos.logs import read
 from tests.conftest import artifact_dir, require_tool
 from tests.harness.agents import wait_for
+from tests.harness.chaos import (
+    OCC,
+    T0,
+    fire_lines as _fires,
+    kept_on_failure,
+    our_namespaces as _our_namespaces,
+    processes_mentioning as _processes_mentioning,
+    run_chaos,
+    run_lines as _run,
+    write_and_check as _write,
+)
 
 REPO = Path(__file__).resolve().parents[1]
-OCC = ["2030-01-01T00:00:00Z", "2030-01-01T00:00:05Z", "2030-01-01T00:00:10Z"]
-T0 = 1893456000.0  # 2030-01-01T00:00:00Z
-
-
-def _write(out: Path, history: list[dict], nemesis: list[dict], retry_condition: bool = True,
-           probes: list[dict] | None = None) -> dict:
-    out.mkdir(parents=True, exist_ok=True)
-    if probes is not None:
-        (out / "probes.log").write_text("".join(json.dumps(line) + "\n" for line in probes))
-    meta = {"ttl_s": 10, "lock_delay_s": 5, "fire_until": T0 + 15, "t_end": T0 + 20, "clients": ["c1", "c2", "c3"],
-            "applied_before": 100, "applied_after": 130,
-            "jobs": [{"name": "s", "policy": "skip", "schedule": "*:*:0/5", "seconds": 1, "interval_s": 5,
-                      "condition_holds": False},
-                     {"name": "r", "policy": "retry", "schedule": "*:*:0/5", "seconds": 1, "interval_s": 5,
-                      "condition_holds": retry_condition}]}
-    (out / "run.json").write_text(json.dumps(meta))
-    (out / "history.log").write_text("".join(json.dumps(line) + "\n" for line in history))
-    (out / "nemesis.log").write_text("".join(json.dumps(line) + "\n" for line in nemesis))
-    return check(out)
-
-
-def _run(job: str, node: str, pid: int, occ: str, token: int, start: float, beats: int, ended: bool = True) -> list[dict]:
-    lines = [{"t": start, "ev": "start", "job": job, "pid": pid, "token": token, "node": node, "wrapper": pid - 1,
-              "occ": occ}]
-    lines += [{"t": start + 0.1 * (i + 1), "ev": "hb", "job": job, "pid": pid, "token": token} for i in range(beats)]
-    if ended:
-        lines.append({"t": start + 0.1 * beats + 0.01, "ev": "end", "job": job, "pid": pid, "token": token})
-    return lines
-
-
-def _fires(job: str, occ_index: int) -> list[dict]:
-    return [{"t": T0 + 5 * occ_index, "ev": "fire", "node": n, "job": job, "sched": OCC[occ_index], "wrapper": 1}
-            for n in ("c1", "c2", "c3")]
 
 
 def _probes(down_from: float, down_to: float, nodes: tuple[str, ...] = ("c1", "c2", "c3")) -> list[dict]:
@@ -334,11 +308,6 @@ def test_checker_holds_a_chained_child_to_its_attempts_per_parent_run(tmp_path: 
     assert "chained run twice for one parent run" in kinds, kinds
 
 
-def _our_namespaces(tag: str) -> list[str]:
-    listing = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True).stdout
-    return [line.split()[0] for line in listing.splitlines() if line.split() and line.split()[0].endswith("-" + tag)]
-
-
 @pytest.mark.cluster
 @pytest.mark.consul
 def test_short_chaos_run_keeps_the_guarantees(consul_bin: str, tmp_path: Path, request: pytest.FixtureRequest) -> None:
@@ -365,46 +334,6 @@ def test_short_chaos_run_keeps_the_guarantees(consul_bin: str, tmp_path: Path, r
             "the availability probe did not see every client served"
         assert proc.returncode == 0 and not report["violations"], \
             f"violations (history in {artifact_dir(request.node)}):\n{(out / 'report.md').read_text()[-6000:]}"
-
-
-def run_chaos(cmd: list[str], timeout_s: float, cleanup_s: float) -> tuple[subprocess.Popen[str], str]:
-    """Run a chaos command to its end (it stops by itself); past `timeout_s`, Ctrl-C it (it cleans up) and fail."""
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        _, stderr = proc.communicate(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        proc.send_signal(signal.SIGINT)
-        _, stderr = proc.communicate(timeout=cleanup_s)
-        pytest.fail(f"the chaos run did not stop by itself:\n{stderr[-3000:]}")
-    return proc, stderr
-
-
-@contextlib.contextmanager
-def kept_on_failure(request: pytest.FixtureRequest, out: Path, stderr: str,
-                    ignore: Callable[..., Any] | None = None) -> Iterator[None]:
-    """On a failure inside: the run's directory and its stderr into the test's artifacts, for the history."""
-    try:
-        yield
-    except BaseException:
-        dest = artifact_dir(request.node)
-        shutil.rmtree(dest, ignore_errors=True)
-        shutil.copytree(out, dest / "chaos", dirs_exist_ok=True, ignore=ignore)
-        (dest / "runner.stderr").write_text(stderr)
-        raise
-
-
-def _processes_mentioning(text: str) -> list[str]:
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
-        if text in cmdline:
-            found.append(f"{entry.name}: {cmdline[:200]}")
-    return found
 
 
 @pytest.mark.cluster

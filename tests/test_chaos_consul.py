@@ -11,7 +11,15 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import artifact_dir, require_tool
-from tests.test_chaos import kept_on_failure, run_chaos, OCC, T0, _fires, _run, _write
+from tests.harness.chaos import (
+    OCC,
+    T0,
+    fire_lines as _fires,
+    kept_on_failure,
+    run_chaos,
+    run_lines as _run,
+    write_and_check as _write,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 

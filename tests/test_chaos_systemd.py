@@ -22,8 +22,13 @@ import pytest
 
 from tests.conftest import artifact_dir, require_tool
 from tests.harness.agents import wait_for
+from tests.harness.chaos import (
+    kept_on_failure,
+    our_namespaces as _our_namespaces,
+    processes_mentioning as _processes_mentioning,
+    run_chaos,
+)
 from tests.harness.nspawn import _cgroup_dirs
-from tests.test_chaos import kept_on_failure, run_chaos, _our_namespaces, _processes_mentioning
 
 pytestmark = [pytest.mark.systemd, pytest.mark.consul, pytest.mark.cluster]
 
@@ -123,7 +128,13 @@ def test_the_unit_hook_writes_what_the_checker_reads(tmp_path: Path, monkeypatch
 def test_a_pause_marks_only_the_runs_alive_at_it(tmp_path: Path) -> None:
     """A node booted again numbers its pids from 1: a later run with a frozen run's pid was not frozen (its tail
     would be counted from a thaw long before it started)."""
-    from tests.test_chaos import OCC, T0, _fires, _run, _write
+    from tests.harness.chaos import (
+        OCC,
+        T0,
+        fire_lines as _fires,
+        run_lines as _run,
+        write_and_check as _write,
+    )
 
     frozen = _run("s", "c1", 100, OCC[0], 10, T0 + 0.5, 10)
     again = _run("s", "c1", 100, OCC[2], 20, T0 + 10.5, 10)  # the same pid, after a reboot

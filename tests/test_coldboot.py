@@ -24,8 +24,8 @@ from consulrun.protocol import keys as kvkeys
 from tests.conftest import artifact_dir, container_binds, require_tool
 from tests.harness.agents import wait_for
 from tests.harness.netns import Network
+from tests.harness.nodes import install, journal, manifest
 from tests.harness.nspawn import Container
-from tests.test_install import install, journal, manifest
 
 pytestmark = [pytest.mark.systemd, pytest.mark.consul]
 

@@ -16,7 +16,7 @@ import pytest
 import requests
 
 from tests.harness.agents import Agent, start_dev_agent, wait_for
-from tests.test_run import SKIP, consulrun, finish
+from tests.harness.runs import SKIP, consulrun, finish
 
 TTL_S = 10
 YEARLY = "*-01-01 00:00:00 UTC"

@@ -25,8 +25,8 @@ from consulrun.manifest.loader import load_manifest
 from consulrun.protocol.eachnode import SLOTS_FULL_MISSED, node_key, node_of_key
 from consulrun.units.render import run_argv
 from tests.harness.agents import Agent, Cluster, cluster_up, wait_for
-from tests.test_occurrence import skewed
-from tests.test_run import consulrun, finish
+from tests.harness.clock import skewed
+from tests.harness.runs import consulrun, finish
 
 SKIP = 42
 DAILY = "*-*-* 00:00:00"  # today's midnight: one occurrence for the whole test, the next one a day away

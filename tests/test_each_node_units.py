@@ -16,9 +16,8 @@ from collections.abc import Iterator
 import pytest
 
 from tests.harness.agents import wait_for
+from tests.harness.nodes import CONSULRUN, install, journal, manifest, node_kv as _kv, three_agents
 from tests.harness.nspawn import Container
-from tests.test_install import CONSULRUN, install, journal, manifest
-from tests.test_missed_units import _kv, three_agents
 
 pytestmark = [pytest.mark.systemd, pytest.mark.consul]
 

@@ -26,31 +26,25 @@ from consulrun.errors import UsageError
 from consulrun.protocol import keys as kvkeys
 from consulrun.protocol.fencing import Fencing, stop_timeout_ms
 from tests.harness.agents import Agent, wait_for
-from tests.test_run import SKIP, consulrun, finish, gated_job, kv_json, lock_entry, pid_alive
+from tests.harness.hooks import at, go, hooks
+from tests.harness.nodes import stop_agent_in
+from tests.harness.runs import (
+    SKIP,
+    YEARLY,
+    consulrun,
+    finish,
+    gated_job,
+    kv_json,
+    lock_entry,
+    pid_alive,
+    sessions,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 
 pytestmark = pytest.mark.consul
 
-YEARLY = "*-01-01 00:00:00 UTC"
 OCC = f"{datetime.now(timezone.utc).year}-01-01T00:00:00Z"
-
-
-def hooks(tmp_path: Path, *points: str) -> dict[str, str]:
-    (tmp_path / "hooks").mkdir(exist_ok=True)
-    return {"CONSULRUN_TEST_PAUSE": ",".join(points), "CONSULRUN_TEST_HOOK_DIR": str(tmp_path / "hooks")}
-
-
-def at(tmp_path: Path, point: str, timeout: float = 30) -> None:
-    wait_for((tmp_path / "hooks" / point).exists, timeout, f"the wrapper to reach {point}")
-
-
-def go(tmp_path: Path, point: str) -> None:
-    (tmp_path / "hooks" / f"{point}.go").touch()
-
-
-def sessions(agent: Agent) -> list[dict]:
-    return agent.get("session/list")
 
 
 def raft_applied(agent: Agent) -> int:
@@ -512,7 +506,7 @@ def test_sigkilled_wrapper_in_a_unit_leaves_no_job_process(systemd_container, co
     settings systemd would wait its default 90 s before SIGKILL; without ExecStopPost= the dead wrapper's
     session would hold the lock until its TTL ran out.
     """
-    from tests.test_install import CONSULRUN, manifest, start_agent
+    from tests.harness.nodes import CONSULRUN, manifest, start_agent
 
     ctr = systemd_container
     agent = start_agent(ctr, consul_bin, "unitnode", ["-dev", "-client", "127.0.0.1", "-bind", "127.0.0.1"],
@@ -679,14 +673,6 @@ def test_result_recorded_over_an_abandoned_guess_when_nobody_took_over(consul: A
     record = kv_json(consul, "consulrun/guess/occurrence")
     assert record["state"] == "done" and record["exit_status"] == 0
     assert sessions(consul) == []
-
-
-def stop_agent_in(ctr, consul_bin: str, agent: subprocess.Popen[bytes]) -> None:
-    """Stop a container's agent: `nsenter` forks into the pid namespace, so signalling it is not enough."""
-    ctr.exec(consul_bin, "leave", check=False)
-    agent.terminate()
-    agent.wait(timeout=20)
-    wait_for(lambda: ctr.exec(consul_bin, "members", check=False).returncode != 0, 20, "the container's agent to stop")
 
 
 # --- logs a sysadmin can read (the CLI issue's "Logs") -----------------------------------------------------------

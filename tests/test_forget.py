@@ -9,9 +9,15 @@ import pytest
 import requests
 
 from tests.harness.agents import Agent, wait_for
-from tests.test_health import catalog, checks, register  # noqa: F401 - the fixture
-from tests.test_run import _raft_applied, consulrun, finish, gated_job, lock_entry
-from tests.test_status import hold
+from tests.harness.healthchecks import checks, register
+from tests.harness.holders import hold
+from tests.harness.runs import (
+    consulrun,
+    finish,
+    gated_job,
+    lock_entry,
+    raft_applied as _raft_applied,
+)
 
 pytestmark = pytest.mark.consul
 

@@ -18,12 +18,12 @@ from consulrun.cli import main
 from consulrun.manifest.loader import parse_manifest
 from consulrun.units.render import render
 from tests.conftest import require_tool
+from tests.harness.acl import tls_material as _tls_material
 from tests.harness.agents import wait_for
+from tests.harness.nodes import CONSULRUN, agent_get, boot, install, journal, manifest, start_agent
 from tests.harness.nspawn import Container
 from tests.harness.netns import Network
 from tests.harness.nspawn import tear_down
-from tests.test_acl_tls import _tls_material
-from tests.test_install import CONSULRUN, agent_get, boot, install, journal, manifest, start_agent
 
 # The exposure `systemd-analyze security` may print for a hardened job, at most. systemd 252 scores a plain consulrun
 # unit 9.2-9.5 (UNSAFE, 9.0 and up) and the hand-hardened job 2.0; systemd calls 1.0 to 4.9 "OK". The preset

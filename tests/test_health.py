@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import signal
 import sys
-from collections.abc import Iterator
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
@@ -19,29 +18,20 @@ import pytest
 from consulrun.report import watchdog as health
 from consulrun.consul.client import Client, ConsulConfig
 from tests.harness.agents import Agent, wait_for
-from tests.test_run import _raft_applied, consulrun, finish, lock_entry
-from tests.test_status import cli, hold, iso, put, write_manifest
+from tests.harness.healthchecks import checks, register
+from tests.harness.holders import hold, iso, put
+from tests.harness.runs import (
+    cli,
+    consulrun,
+    finish,
+    lock_entry,
+    raft_applied as _raft_applied,
+    write_manifest,
+)
 
 pytestmark = pytest.mark.consul
 
 YEARLY = "*-01-01 00:00:00 UTC"
-
-
-@pytest.fixture
-def catalog(consul: Agent) -> Iterator[Agent]:
-    """The shared agent, with the external nodes a test registers removed afterwards (wipe() keeps the catalog)."""
-    yield consul
-    for node in consul.get("catalog/nodes"):
-        if (node.get("Meta") or {}).get("external-node") == "true":
-            consul.api("PUT", "catalog/deregister", json={"Node": node["Node"]})
-
-
-def checks(agent: Agent, node: str = "consulrun") -> dict[str, dict[str, Any]]:
-    return {c["Name"]: c for c in agent.get(f"health/node/{node}")}
-
-
-def register(agent: Agent, prefix: str = "consulrun") -> None:
-    health.ensure_registered(Client(ConsulConfig(address=agent.http_addr)), prefix)
 
 
 def watchdog(manifest: Path, *args: str) -> tuple[int, str, str]:

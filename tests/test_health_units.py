@@ -8,8 +8,8 @@ from datetime import datetime, timedelta, timezone
 import pytest
 
 from tests.harness.agents import wait_for
+from tests.harness.nodes import agent_node, install, manifest, show
 from tests.harness.nspawn import Container
-from tests.test_install import agent_node, install, manifest, show
 
 pytestmark = [pytest.mark.systemd, pytest.mark.consul]
 

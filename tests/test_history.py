@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from tests.harness.agents import Agent, wait_for
-from tests.test_run import consulrun, finish
-from tests.test_status import cli, hold, put
+from tests.harness.holders import hold, put
+from tests.harness.runs import cli, consulrun, finish
 
 pytestmark = pytest.mark.consul
 

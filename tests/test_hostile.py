@@ -24,8 +24,8 @@ import requests
 from consulrun.manifest import calendar
 from consulrun.protocol import keys as kvkeys, procinfo
 from tests.harness.agents import Agent, free_port, wait_for
-from tests.test_remote import MANIFEST, Sshd, _install, sshd  # noqa: F401 - the fixture is used by name
-from tests.test_run import consulrun, finish, kv_json, lock_entry
+from tests.harness.runs import consulrun, finish, kv_json, lock_entry
+from tests.harness.sshd import MANIFEST, Sshd, install_here as _install
 
 pytestmark = pytest.mark.consul
 SKIP = 42
@@ -116,7 +116,7 @@ def test_a_value_forged_before_the_acquisition_is_confirmed_meets_the_holders_ma
         consul: Agent, tmp_path: Path) -> None:
     """Between the acquisition's commit and its confirmation (a read that an election can stretch to a TTL), the
     value is already in Consul: the holder's mark must be bound by then, or a forged pid gets its session reaped."""
-    from tests.test_faults import at, go, hooks
+    from tests.harness.hooks import at, go, hooks
 
     holder = consulrun("run", "jw", "--", "true", env=hooks(tmp_path, "committed"))
     try:

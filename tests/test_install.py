@@ -5,34 +5,33 @@ from __future__ import annotations
 import base64
 import json
 import os
-import re
 import subprocess
 import sys
 import time
 from collections import Counter
 from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
-import yaml
 
 from consulrun.protocol import keys as kvkeys
-from tests.conftest import artifact_dir, container_binds, require_tool
+from tests.conftest import artifact_dir
 from tests.harness.agents import consul_binary as consul_bin_path
 from tests.harness.agents import wait_for
-from tests.harness.booted import agent_node, boot, start_agent  # noqa: F401 - other modules use them here
 from tests.harness.netns import Network
-from tests.harness.nspawn import Container, tear_down
+from tests.harness.nodes import (
+    CONSULRUN,
+    agent_get,
+    agent_node,
+    install,
+    journal,
+    manifest,
+    show,
+    ssh_cluster,
+)
+from tests.harness.nspawn import Container
 
 pytestmark = [pytest.mark.systemd, pytest.mark.consul]
-
-CONSULRUN = str(Path(sys.prefix) / "bin" / "consulrun")
-
-
-def manifest(jobs: dict[str, dict], **top: object) -> str:
-    base = {"defaults": {"lock": {"ttl": "10s", "lock_delay": "5s"}, "timer": {"accuracy": "1s"}}}
-    return yaml.safe_dump({**base, **top, "jobs": jobs})
 
 
 def tick_job(every: str = "*:*:0/2", extra: dict | None = None) -> dict:
@@ -45,32 +44,6 @@ def node(consul_bin: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
     """One booted node with a Consul dev agent of its own."""
     with agent_node(consul_bin, tmp_path_factory.mktemp("install"), "10.213.80.0/24", "i") as ctr:
         yield ctr
-
-
-def install(ctr: Container, text: str, *args: str, check: bool = False) -> subprocess.CompletedProcess[str]:
-    path = ctr.shared / "jobs.yaml"
-    path.write_text(text)
-    return ctr.exec(CONSULRUN, "install", "/shared/jobs.yaml", *args, check=check)
-
-
-def show(ctr: Container, unit: str, *props: str) -> dict[str, str]:
-    """systemd's own view of a unit: the named properties, as `systemctl show` gives them."""
-    out = ctr.systemctl("show", unit, "-p", ",".join(props)).stdout
-    values = dict(line.split("=", 1) for line in out.splitlines() if "=" in line)
-    if "TimersCalendar" in values:  # the next elapse moves every time the timer fires; the spec is what counts
-        values["TimersCalendar"] = re.sub(r" ; next_elapse=[^}]*", "", values["TimersCalendar"])
-    return values
-
-
-def agent_get(ctr: Container, path: str) -> object:
-    """GET /v1/<path> from the node's own agent (it listens on the container's loopback only)."""
-    code = ("import json, sys, urllib.request\n"
-            "print(urllib.request.urlopen('http://127.0.0.1:8500/v1/' + sys.argv[1], timeout=10).read().decode())")
-    return json.loads(ctr.exec(sys.executable, "-c", code, path).stdout)
-
-
-def journal(ctr: Container, unit: str) -> str:
-    return ctr.exec("journalctl", "--no-pager", "-o", "cat", "-u", unit).stdout
 
 
 TIMER_STATE = ("ActiveState", "ActiveEnterTimestampMonotonic", "TimersCalendar", "UnitFileState")
@@ -372,53 +345,6 @@ def test_per_job_unit_settings_and_shell_reach_the_running_job(node: Container) 
 
 
 # --- three nodes over ssh ------------------------------------------------------------------------------
-
-
-@contextmanager
-def ssh_cluster(consul_bin: str, workdir: Path, subnet: str, tag: str) -> Iterator[tuple[list[Container], Network, Path]]:
-    """Three booted nodes on one bridge, sshd in each, Consul server on node1 and clients on node2/3; all gone after.
-
-    Every node holds the key it accepts, and an ssh config that uses it for the
-    others, so a consulrun on one node can reach another (`trigger --host`).
-    """
-    require_tool("ssh")
-    network = Network(3, subnet=subnet, tag=tag).up()
-    key = workdir / "id_ed25519"
-    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(key)], check=True)
-    nodes: list[Container] = []
-    agents: list[subprocess.Popen[bytes]] = []
-    try:
-        for index in range(3):
-            ctr = Container(f"cr{tag}{index + 1}-{os.getpid() % 10000}", workdir, netns=network.namespace(index),
-                            binds=container_binds())
-            nodes.append(ctr)
-            ssh_dir = ctr.dir / "upper" / "root" / ".ssh"
-            ssh_dir.mkdir(parents=True)
-            (ssh_dir / "authorized_keys").write_text(key.with_suffix(".pub").read_text())
-            (ssh_dir / "id_ed25519").write_text(key.read_text())
-            (ssh_dir / "id_ed25519").chmod(0o600)
-            (ssh_dir / "config").write_text("Host *\n  StrictHostKeyChecking no\n  UserKnownHostsFile /dev/null\n"
-                                            "  ConnectTimeout 3\n  LogLevel ERROR\n")
-            ssh_dir.chmod(0o700)
-            ctr.start()
-            ctr.systemctl("start", "ssh.service")
-        server_ip = network.address(0)
-        for index, ctr in enumerate(nodes):
-            ip = network.address(index)
-            common = ["-bind", ip, "-client", "127.0.0.1", "-data-dir", f"/var/lib/c{index}",
-                      "-hcl", 'ports { dns = -1 }', "-hcl", "performance { raft_multiplier = 1 }"]
-            role = ["-server", "-bootstrap-expect=1", "-ui"] if index == 0 else ["-retry-join", server_ip]
-            agents.append(start_agent(ctr, consul_bin, f"node{index + 1}", common + role,
-                                      workdir / f"consul-node{index + 1}.log"))
-        yield nodes, network, key
-    finally:
-        for proc in agents:  # the agent itself, not only nsenter: one left inside keeps its node from powering off
-            Container.end_spawned(proc)
-        for ctr in nodes:  # all three power off at once, then each is waited for
-            ctr.power_off()
-        for ctr in nodes:
-            ctr.stop()
-        network.down()
 
 
 @pytest.fixture(scope="module")

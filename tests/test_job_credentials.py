@@ -10,9 +10,9 @@ import pytest
 from click.testing import CliRunner
 
 from consulrun.cli import main
+from tests.harness.acl import acl as _acl, token_file as _token_file
 from tests.harness.agents import Agent
-from tests.test_acl_tls import _acl, _token_file, acl_agent  # noqa: F401 - acl_agent is a fixture
-from tests.test_run import consulrun, finish
+from tests.harness.runs import consulrun, finish
 
 OK_JOB = "    command: [/bin/true]\n    schedule: daily\n"
 _DUMP = ("import json, os, sys; "

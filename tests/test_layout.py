@@ -153,3 +153,38 @@ def test_the_package_top_level_holds_only_the_layers_and_the_entry_points() -> N
     allowed = {f"{name}.py" for name in FOUNDATION | ENTRY | {"__init__"}} | set(LAYERS) | {"__pycache__"}
     stray = sorted(p.name for p in PACKAGE.iterdir() if p.name not in allowed)
     assert not stray, stray
+
+
+# --- The tests' own layout ----------------------------------------------------------------------
+
+
+def _test_modules_imported(path: Path) -> list[tuple[int, str]]:
+    """(line, module) for every import of a `tests.test_*` module in the file, wherever it stands
+    (`from tests import test_x` and `from .test_x import y` count too)."""
+    package = list(path.relative_to(PACKAGE.parent).parent.parts)
+    out = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = package[:len(package) - node.level + 1] if node.level else []
+            module = ".".join([*base, *([node.module] if node.module else [])])
+            names = [module, *(f"{module}.{alias.name}" for alias in node.names)]
+        else:
+            continue
+        out += [(node.lineno, name) for name in names
+                if name.split(".")[0] == "tests" and name.split(".")[-1].startswith("test_")]
+    return out
+
+
+def test_no_test_module_imports_another() -> None:
+    """What several test modules share lives in tests/harness/ (a module per concern) or
+    tests/conftest.py (and the harness modules it registers as plugins): a test module imported by
+    another drags its fixtures, marks and module-level code along, and ties the two modules' edits
+    together."""
+    tests = PACKAGE.parent / "tests"
+    found = [f"{path.relative_to(PACKAGE.parent)}:{line}: imports {module}"
+             for path in sorted(tests.rglob("*.py"))
+             for line, module in _test_modules_imported(path)]
+    assert not found, ("imports of a test module (move what is shared to tests/harness/):\n"
+                       + "\n".join(found))

@@ -10,8 +10,8 @@ import pytest
 
 from consulrun.report.logs import choose, split_occurrence
 from consulrun.report.status import NoState
+from tests.harness.nodes import CONSULRUN, agent_node, install, manifest
 from tests.harness.nspawn import Container
-from tests.test_install import CONSULRUN, agent_node, install, manifest
 
 pytestmark = [pytest.mark.systemd, pytest.mark.consul]
 

@@ -11,18 +11,13 @@ from pathlib import Path
 
 import pytest
 import requests
-from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conftest import artifact_dir, require_tool
 from tests.harness.agents import Agent, free_port, wait_for
-from tests.test_run import consulrun, finish
+from tests.harness.metrics import samples
+from tests.harness.runs import consulrun, finish
 
 pytestmark = pytest.mark.consul
-
-
-def samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
 
 
 def export(*args: str, env: dict[str, str] | None = None) -> tuple[int, str, str]:

@@ -20,8 +20,15 @@ import pytest
 
 from consulrun.protocol import keys as kvkeys
 from tests.harness.agents import Agent, Cluster, wait_for
-from tests.test_occurrence import _skip_writes, history, skewed
-from tests.test_run import SKIP, consulrun, finish, kv_json
+from tests.harness.clock import skewed
+from tests.harness.runs import (
+    SKIP,
+    consulrun,
+    finish,
+    history,
+    kv_json,
+    skip_writes as _skip_writes,
+)
 
 pytestmark = pytest.mark.consul
 

@@ -13,25 +13,19 @@ one), and the others say so.
 
 from __future__ import annotations
 
-import base64
 import json
-import os
 import time
 from collections import Counter
 from collections.abc import Iterator
-from contextlib import contextmanager
 from datetime import datetime, timezone
-from pathlib import Path
 
 import pytest
 
 from consulrun.protocol import keys as kvkeys
-from tests.conftest import container_binds, require_tool
 from tests.harness.agents import wait_for
-from tests.harness.netns import Network
-from tests.harness.nspawn import Container, stop_nodes
-from tests.test_install import CONSULRUN, agent_get, install, journal, manifest, start_agent
-from tests.test_occurrence import FAKETIME_LIB
+from tests.harness.clock import FAKETIME_LIB
+from tests.harness.nodes import CONSULRUN, install, journal, manifest, node_kv as _kv, three_agents
+from tests.harness.nspawn import Container
 
 pytestmark = [pytest.mark.systemd, pytest.mark.consul]
 
@@ -41,35 +35,6 @@ JOB = {"command": ["sh", "-c", "echo $CONSULRUN_OCCURRENCE $(hostname) $(env -u 
                                ">> /shared/runs; "
                                f"if [ -e {SLOW} ]; then sleep 8; else sleep 1; fi"],
        "schedule": "*:*:0/10", "lock": {"lock_delay": "15s"}, "history": 100}
-
-
-@contextmanager
-def three_agents(consul_bin: str, workdir: Path, subnet: str = "10.213.83.0/24", tag: str = "m",
-                 name: str = "crm") -> Iterator[list[Container]]:
-    """Three booted nodes on one bridge, a Consul server on node1 and clients on node2/3; all gone after. Another
-    module using them passes its own subnet, network tag and container name (modules may run side by side)."""
-    require_tool("systemd-nspawn")
-    if os.geteuid() != 0:
-        pytest.fail("booting systemd containers needs root", pytrace=False)
-    network = Network(3, subnet=subnet, tag=tag).up()
-    nodes: list[Container] = []
-    agents = []
-    try:
-        for index in range(3):
-            ctr = Container(f"{name}{index + 1}-{os.getpid() % 10000}", workdir, netns=network.namespace(index),
-                            binds=container_binds())
-            nodes.append(ctr)
-            ctr.start()
-        for index, ctr in enumerate(nodes):
-            common = ["-bind", network.address(index), "-client", "127.0.0.1", "-data-dir", f"/var/lib/c{index}",
-                      "-hcl", "ports { dns = -1 }", "-hcl", "performance { raft_multiplier = 1 }"]
-            role = ["-server", "-bootstrap-expect=1"] if index == 0 else ["-retry-join", network.address(0)]
-            agents.append(start_agent(ctr, consul_bin, f"node{index + 1}", common + role,
-                                      workdir / f"consul-node{index + 1}.log"))
-        yield nodes
-    finally:
-        stop_nodes(nodes, agents)
-        network.down()
 
 
 @pytest.fixture(scope="module")
@@ -90,11 +55,6 @@ def _runs(nodes: list[Container]) -> list[tuple[str, str, float]]:
 
 def _occ(when: float) -> str:
     return datetime.fromtimestamp(when, timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
-def _kv(ctr: Container, key: str) -> dict | None:
-    found = agent_get(ctr, f"kv/{key}?recurse=true")
-    return {e["Key"]: json.loads(base64.b64decode(e["Value"])) for e in found or []}
 
 
 def _uninstall(nodes: list[Container]) -> None:

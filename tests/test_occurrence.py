@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import base64
 import json
 import random
 import re
@@ -16,31 +15,22 @@ from pathlib import Path
 import pytest
 
 from consulrun.protocol import keys as kvkeys
-from tests.conftest import require_tool
 from tests.harness.agents import Agent, Cluster, wait_for
-from tests.test_run import SKIP, consulrun, finish, gated_job, kv_json
+from tests.harness.clock import skewed
+from tests.harness.runs import (
+    SKIP,
+    consulrun,
+    finish,
+    gated_job,
+    history,
+    kv_json,
+    skip_writes as _skip_writes,
+)
 
 pytestmark = pytest.mark.consul
 
 # The latest occurrence of a yearly schedule is the same all year: stable for a test, yet a real schedule.
 YEARLY = "*-01-01 00:00:00 UTC"
-
-
-FAKETIME_LIB = Path("/usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1")
-
-
-def skewed(offset_s: float) -> dict[str, str]:
-    """Environment that runs a process with its wall clock `offset_s` off (monotonic time stays real)."""
-    require_tool("faketime")
-    if not FAKETIME_LIB.exists():  # LD_PRELOAD of a missing library is silently ignored: no skew at all
-        pytest.fail(f"{FAKETIME_LIB} is missing (Debian package libfaketime)", pytrace=False)
-    return {"FAKETIME": f"{offset_s:+.3f}", "FAKETIME_DONT_FAKE_MONOTONIC": "1", "LD_PRELOAD": str(FAKETIME_LIB)}
-
-
-def history(agent: Agent, job: str) -> dict[str, dict]:
-    entries = agent.get(f"kv/consulrun/{job}/history/", params={"recurse": "true"})
-    return {kvkeys.history_order(e["Key"])[0] + (kvkeys.MANUAL if kvkeys.is_manual(e["Key"]) else ""):
-            json.loads(base64.b64decode(e["Value"])) for e in entries}
 
 
 def staggered(args_for: list[list[str]], gap_s: float, envs: list[dict[str, str]] | None = None) -> list[tuple[int, str, str]]:
@@ -168,22 +158,6 @@ def test_takeover_when_runners_agent_dies(cluster: Cluster, tmp_path: Path, poli
         assert "claimed by node2" in err
         assert not second.exists()
         assert kv_json(cluster.server, "consulrun/billing/occurrence")["state"] == "running"
-
-
-def _raft_applied(agent: Agent) -> int:
-    return int(agent.get("agent/self")["Stats"]["raft"]["applied_index"])
-
-
-def _skip_writes(agent: Agent, args: list[str], env: dict[str, str] | None = None) -> tuple[list[int], list[str]]:
-    """Raft writes of three skipping runs (the agent's own writes may land in one window, not in all)."""
-    deltas, errs = [], []
-    for _ in range(3):
-        before = _raft_applied(agent)
-        code, _, err = finish(consulrun(*args, env=env))
-        deltas.append(_raft_applied(agent) - before)
-        assert code == SKIP, err
-        errs.append(err)
-    return deltas, errs
 
 
 def test_running_later_and_previous_skip_paths_make_no_writes(consul: Agent, tmp_path: Path) -> None:

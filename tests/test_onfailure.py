@@ -9,8 +9,8 @@ from collections.abc import Iterator
 import pytest
 
 from tests.harness.agents import wait_for
+from tests.harness.nodes import CONSULRUN, agent_node, install, manifest
 from tests.harness.nspawn import Container
-from tests.test_install import CONSULRUN, agent_node, install, manifest
 
 pytestmark = [pytest.mark.systemd, pytest.mark.consul]
 

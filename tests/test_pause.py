@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import requests
 
+from tests.harness.acl import acl as _acl, token_file as _token_file
 from tests.harness.agents import Agent, wait_for
-from tests.test_acl_tls import _acl, _token_file, acl_agent  # noqa: F401 - the fixture
-from tests.test_run import SKIP, consulrun, finish
+from tests.harness.runs import SKIP, consulrun, finish
 
 pytestmark = pytest.mark.consul
 

@@ -16,7 +16,7 @@ import requests
 from consulrun.manifest.placement import Placement
 from consulrun.protocol import turns
 from tests.harness.agents import Cluster, cluster_up, wait_for
-from tests.test_run import consulrun, finish
+from tests.harness.runs import consulrun, finish
 
 pytestmark = [pytest.mark.consul, pytest.mark.cluster]
 

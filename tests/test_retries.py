@@ -12,10 +12,8 @@ import pytest
 from consulrun.protocol import keys as kvkeys
 from consulrun.protocol.retries import ATTEMPTS_MAX, RetryPolicy
 from tests.harness.agents import Agent, wait_for
-from tests.test_health import catalog, checks, register  # noqa: F401 - catalog is a fixture, by name
-from tests.test_notify import monitor  # noqa: F401 - the fixture, by name
-from tests.test_run import consulrun, finish, kv_json
-from tests.test_status import cli
+from tests.harness.healthchecks import checks, register
+from tests.harness.runs import cli, consulrun, finish, kv_json
 
 DAILY = "*-*-* 02:00:00"  # the current occurrence is in the past, the next up to a day away: never in the way
 
@@ -327,7 +325,7 @@ def test_a_manual_run_is_retried_and_its_history_entry_holds_every_attempt(consu
     import uuid
     from datetime import datetime, timezone
 
-    from tests.test_status import put
+    from tests.harness.holders import put
 
     at = datetime.now(timezone.utc).isoformat(timespec="seconds").replace("+00:00", "Z")
     put(consul, "consulrun/asked/trigger", {"id": str(uuid.uuid4()), "by": "op@host", "at": at, "node": "dev1"})

@@ -4,65 +4,26 @@ from __future__ import annotations
 
 import base64
 import json
-import os
 import re
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
-import requests
 
 from tests.harness.agents import Agent, Cluster, wait_for
+from tests.harness.runs import (
+    SKIP,
+    consulrun,
+    finish,
+    kv_json,
+    lock_entry,
+    pid_alive,
+    raft_applied as _raft_applied,
+)
 
 pytestmark = pytest.mark.consul
-
-SKIP = 42  # a skip code no test job uses, so "skipped" is never confused with "ran"
-
-
-def consulrun(*args: str, env: dict[str, str] | None = None, netns: str | None = None,
-              **kwargs: object) -> subprocess.Popen[str]:
-    cmd = [sys.executable, "-m", "consulrun", *args]
-    if netns:
-        cmd = ["ip", "netns", "exec", netns, *cmd]
-    full_env = {**os.environ, **(env or {})}
-    full_env["PYTHONPATH"] = str(Path(__file__).resolve().parents[1])
-    kwargs = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, **kwargs}  # a test may send a stream elsewhere
-    return subprocess.Popen(cmd, env=full_env, text=True, **kwargs)  # type: ignore[call-overload]
-
-
-def finish(proc: subprocess.Popen[str], timeout: float = 60) -> tuple[int, str, str]:
-    out, err = proc.communicate(timeout=timeout)
-    return proc.returncode, out, err
-
-
-def lock_entry(agent: Agent, key: str) -> dict | None:
-    response = requests.get(f"{agent.url}/v1/kv/{key}", timeout=10)
-    if response.status_code == 404:
-        return None
-    response.raise_for_status()
-    return response.json()[0]
-
-
-def kv_json(agent: Agent, key: str) -> dict | None:
-    """The JSON value of `key`, or None."""
-    entry = lock_entry(agent, key)
-    return json.loads(base64.b64decode(entry["Value"])) if entry and entry.get("Value") else None
-
-
-def gated_job(started: Path, go: Path) -> list[str]:
-    """A job that says it started (`started`) and runs until the test lets it end (`go`)."""
-    return ["sh", "-c", f"touch {started}; while [ ! -e {go} ]; do sleep 0.1; done"]
-
-
-def pid_alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat", encoding="utf-8") as handle:
-            return handle.read().split(") ", 1)[1][0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 def test_twenty_simultaneous_contenders_one_runs(consul: Agent, tmp_path: Path) -> None:
@@ -80,10 +41,6 @@ def test_twenty_simultaneous_contenders_one_runs(consul: Agent, tmp_path: Path) 
         skipped_lines = [e for c, _, e in results if c == SKIP]
         assert all("skipped:" in e for e in skipped_lines)
         assert consul.get("session/list") == []
-
-
-def _raft_applied(agent: Agent) -> int:
-    return int(agent.get("agent/self")["Stats"]["raft"]["applied_index"])
 
 
 def test_loser_decides_with_reads_only(consul: Agent, tmp_path: Path) -> None:

@@ -20,7 +20,7 @@ from consulrun.cli import main
 from consulrun.commands.run import run as run_command
 from consulrun.commands.runargs import OPTIONS, read
 from tests.harness.agents import Agent
-from tests.test_run import lock_entry
+from tests.harness.runs import lock_entry
 
 REPO = Path(__file__).resolve().parents[1]
 CONSUL_VARS = ("CONSUL_HTTP_ADDR", "CONSUL_HTTP_TOKEN_FILE", "CONSUL_CACERT", "CONSUL_CLIENT_CERT", "CONSUL_CLIENT_KEY",
@@ -154,7 +154,7 @@ NOT_ON_THE_SKIP_PATH = {"click", "http.client", "email", "ssl", "typing", "datac
 @pytest.mark.consul
 def test_a_skipping_run_loads_none_of_what_it_does_not_use(consul: Agent, tmp_path: Path) -> None:
     from tests.harness.agents import wait_for
-    from tests.test_run import consulrun, finish
+    from tests.harness.runs import consulrun, finish
 
     started = tmp_path / "started"
     holder = consulrun("run", "heldjob", "--", "sh", "-c", f"touch {started}; exec sleep 60")

@@ -29,7 +29,7 @@ from consulrun.manifest import calendar
 from consulrun.manifest.schema import name_problem, schedule_problem
 from tests.conftest import require_tool
 from tests.harness.agents import wait_for
-from tests.test_chaos import _our_namespaces as our_namespaces, _processes_mentioning as processes_mentioning
+from tests.harness.chaos import our_namespaces, processes_mentioning
 
 REPO = Path(__file__).resolve().parents[1]
 NODE_SCRIPT = REPO / "bench" / "scale_node.py"

@@ -13,8 +13,7 @@ import pytest
 import requests
 
 from tests.harness.agents import Agent
-from tests.test_faults import YEARLY, sessions
-from tests.test_run import SKIP, consulrun, finish, kv_json
+from tests.harness.runs import SKIP, YEARLY, consulrun, finish, kv_json, sessions
 
 
 @pytest.mark.parametrize("policy", [

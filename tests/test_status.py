@@ -14,55 +14,19 @@ import signal
 import subprocess
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
-from typing import Any
 
 import pytest
 from click.testing import CliRunner
 
 from consulrun.protocol import procinfo
 from consulrun.cli import main
+from tests.harness.acl import acl as _acl, token_file as _token_file
 from tests.harness.agents import Agent, start_dev_agent, wait_for
-from tests.test_acl_tls import _acl, _token_file, acl_agent  # noqa: F401 - the fixture is used by name
-from tests.test_run import consulrun, finish, lock_entry
+from tests.harness.holders import hold, iso, put, session
+from tests.harness.runs import cli, consulrun, finish, lock_entry, write_manifest
 
 pytestmark = pytest.mark.consul
 REPO = Path(__file__).resolve().parents[1]
-
-
-def cli(*args: str, env: dict[str, str] | None = None) -> tuple[int, str, str]:
-    result = CliRunner().invoke(main, list(args), env=env)
-    return result.exit_code, result.stdout, result.stderr
-
-
-def iso(when: datetime) -> str:
-    return when.astimezone(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
-def put(agent: Agent, key: str, value: dict[str, Any], token: str | None = None, **params: str) -> bool:
-    headers = {"X-Consul-Token": token} if token else {}
-    return agent.api("PUT", f"kv/{key}", data=json.dumps(value), params=params, headers=headers).json()
-
-
-def session(agent: Agent, checks: tuple[str, ...] = ("serfHealth",), token: str | None = None) -> str:
-    headers = {"X-Consul-Token": token} if token else {}
-    return agent.api("PUT", "session/create", headers=headers, json={
-        "Name": "test-holder", "TTL": "600s", "LockDelay": "1ms", "NodeChecks": list(checks)}).json()["ID"]
-
-
-def hold(agent: Agent, job: str, token: str | None = None, checks: tuple[str, ...] = ("serfHealth",),
-         **value: Any) -> str:
-    """A real session holding <job>'s lock, the lock's value in the runner's shape (plus `value`)."""
-    sid = session(agent, checks, token)
-    holder = {"job": job, "node": agent.name, "host": "h", "pid": 1, "started": iso(datetime.now(timezone.utc)),
-              "session": sid, **value}
-    assert put(agent, f"consulrun/{job}/lock", holder, token, acquire=sid)
-    return sid
-
-
-def write_manifest(tmp_path: Path, jobs: str, consul: str = "") -> Path:
-    path = tmp_path / "jobs.yaml"
-    path.write_text(f"{consul}jobs:\n{jobs}")
-    return path
 
 
 # --- The table, JSON, relative times, real runs -----------------------------------------------------------

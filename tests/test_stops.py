@@ -15,7 +15,7 @@ import pytest
 
 from consulrun.protocol.procinfo import own_unit
 from tests.harness.agents import Agent, wait_for
-from tests.test_run import kv_json
+from tests.harness.runs import kv_json
 
 REPO = Path(__file__).resolve().parents[1]
 DAILY = "*-*-* 00:00:00"

@@ -25,10 +25,10 @@ from consulrun.consul.client import Client, ConsulConfig
 from consulrun.protocol import keys as kvkeys
 from tests.harness.agents import Agent
 from tests.harness.faultproxy import KV_KEY_REFUSED, FaultProxy
-from tests.test_health import catalog, checks, register  # noqa: F401 - catalog is a fixture, by name
-from tests.test_metrics import samples
-from tests.test_run import SKIP, consulrun, finish, kv_json
-from tests.test_status import cli, iso, write_manifest
+from tests.harness.healthchecks import checks, register
+from tests.harness.holders import iso
+from tests.harness.metrics import samples
+from tests.harness.runs import SKIP, cli, consulrun, finish, kv_json, write_manifest
 
 pytestmark = pytest.mark.consul
 

@@ -23,8 +23,8 @@ from consulrun.protocol import keys as kvkeys
 from tests.conftest import container_binds, require_tool
 from tests.harness.agents import consul_binary, wait_for
 from tests.harness.netns import Network
+from tests.harness.nodes import install, journal, manifest, show, start_agent
 from tests.harness.nspawn import Container, stop_nodes
-from tests.test_install import install, journal, manifest, show, start_agent
 
 pytestmark = [pytest.mark.systemd, pytest.mark.consul]
 

@@ -13,8 +13,8 @@ import pytest
 
 from consulrun.protocol import keys as kvkeys
 from tests.harness.agents import Agent, wait_for
-from tests.test_faults import stop_agent_in
-from tests.test_run import consulrun, finish, gated_job, kv_json
+from tests.harness.nodes import stop_agent_in
+from tests.harness.runs import consulrun, finish, gated_job, kv_json
 
 pytestmark = pytest.mark.consul
 
@@ -127,7 +127,7 @@ def requests_get(agent: Agent, path: str) -> int:
 def test_trigger_runs_once_through_the_unit_beside_its_timer(systemd_container, consul_bin: str,
                                                               tmp_path: Path) -> None:
     """A timer fires every 3 s; a trigger makes one more run, recorded as manual; no two runs overlap."""
-    from tests.test_install import CONSULRUN, manifest, start_agent
+    from tests.harness.nodes import CONSULRUN, manifest, start_agent
 
     ctr = systemd_container
     agent = start_agent(ctr, consul_bin, "trignode", ["-dev", "-client", "127.0.0.1", "-bind", "127.0.0.1"],
@@ -171,7 +171,7 @@ def test_trigger_runs_once_through_the_unit_beside_its_timer(systemd_container, 
 def test_trigger_right_after_install_runs_a_manual_run(systemd_container, consul_bin: str, tmp_path: Path) -> None:
     """A daily job just installed: its latest occurrence came before the install and was never run. The unit
     `trigger` starts (no timer started it) runs the manual run asked for, not that occurrence; trigger exits 0."""
-    from tests.test_install import CONSULRUN, manifest, start_agent
+    from tests.harness.nodes import CONSULRUN, manifest, start_agent
 
     ctr = systemd_container
     agent = start_agent(ctr, consul_bin, "freshnode", ["-dev", "-client", "127.0.0.1", "-bind", "127.0.0.1"],
@@ -202,7 +202,7 @@ def test_trigger_right_after_install_runs_a_manual_run(systemd_container, consul
 @pytest.fixture(scope="module")
 def three_timers(consul_bin: str, tmp_path_factory: pytest.TempPathFactory):
     """Three booted nodes, one Consul cluster, sshd on each (for `trigger --host`)."""
-    from tests.test_install import ssh_cluster
+    from tests.harness.nodes import ssh_cluster
 
     with ssh_cluster(consul_bin, tmp_path_factory.mktemp("trig3"), "10.213.82.0/24", "g") as cluster:
         yield cluster
@@ -221,7 +221,7 @@ def test_trigger_among_three_nodes_runs_once_as_manual(three_timers, consul_bin:
     """Timers fire every 5 s on three nodes; one trigger (here, or `--host` another node) is one manual run there,
     recorded as manual with who asked, beside no other run; every scheduled occurrence still runs exactly once."""
     from tests.conftest import artifact_dir
-    from tests.test_install import CONSULRUN, manifest
+    from tests.harness.nodes import CONSULRUN, manifest
 
     nodes, network, _ = three_timers
     job = "tri-host" if remote else "tri-here"

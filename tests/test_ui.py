@@ -14,7 +14,7 @@ import pytest
 
 from tests.conftest import require_tool
 from tests.harness.agents import Agent, start_dev_agent, wait_for
-from tests.test_run import consulrun, finish, lock_entry
+from tests.harness.runs import consulrun, finish, lock_entry
 
 pytestmark = pytest.mark.consul
 

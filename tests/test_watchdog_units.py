@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from tests.harness.agents import wait_for
-from tests.harness.booted import agent_node
+from tests.harness.nodes import agent_node
 from tests.harness.nspawn import Container
 
 pytestmark = [pytest.mark.systemd, pytest.mark.consul]

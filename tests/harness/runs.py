@@ -19,6 +19,7 @@ import requests
 from click.testing import CliRunner
 
 from consulrun.cli import main
+from consulrun.protocol import keys as kvkeys
 from tests.harness.agents import Agent
 
 REPO = Path(__file__).resolve().parents[2]
@@ -70,3 +71,57 @@ def kv_keys(agent: Agent, prefix: str) -> list[str]:
         return []
     response.raise_for_status()
     return response.json()
+
+
+SKIP = 42  # a skip code no test job uses, so "skipped" is never confused with "ran"
+# The latest occurrence of a yearly schedule is the same all year: stable for a test, yet a real schedule.
+YEARLY = "*-01-01 00:00:00 UTC"
+
+
+# The lock's KV entry (its Session, its Value): `kv_entry`, under the name the lock tests give it.
+lock_entry = kv_entry
+
+
+def gated_job(started: Path, go: Path) -> list[str]:
+    """A job that says it started (`started`) and runs until the test lets it end (`go`)."""
+    return ["sh", "-c", f"touch {started}; while [ ! -e {go} ]; do sleep 0.1; done"]
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", encoding="utf-8") as handle:
+            return handle.read().split(") ", 1)[1][0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def raft_applied(agent: Agent) -> int:
+    return int(agent.get("agent/self")["Stats"]["raft"]["applied_index"])
+
+
+def sessions(agent: Agent) -> list[dict]:
+    return agent.get("session/list")
+
+
+def write_manifest(tmp_path: Path, jobs: str, consul: str = "") -> Path:
+    path = tmp_path / "jobs.yaml"
+    path.write_text(f"{consul}jobs:\n{jobs}")
+    return path
+
+
+def history(agent: Agent, job: str) -> dict[str, dict]:
+    entries = agent.get(f"kv/consulrun/{job}/history/", params={"recurse": "true"})
+    return {kvkeys.history_order(e["Key"])[0] + (kvkeys.MANUAL if kvkeys.is_manual(e["Key"]) else ""):
+            json.loads(base64.b64decode(e["Value"])) for e in entries}
+
+
+def skip_writes(agent: Agent, args: list[str], env: dict[str, str] | None = None) -> tuple[list[int], list[str]]:
+    """Raft writes of three skipping runs (the agent's own writes may land in one window, not in all)."""
+    deltas, errs = [], []
+    for _ in range(3):
+        before = raft_applied(agent)
+        code, _, err = finish(consulrun(*args, env=env))
+        deltas.append(raft_applied(agent) - before)
+        assert code == SKIP, err
+        errs.append(err)
+    return deltas, errs
