@@ -13,23 +13,14 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from click.testing import CliRunner
 
-from consulrun.cli import main
 from consulrun.protocol import keys as kvkeys
 from consulrun.protocol.health import check_id, node_name
 from tests.harness.agents import Agent
+from tests.harness.holders import iso
+from tests.harness.runs import cli
 
 pytestmark = pytest.mark.consul
-
-
-def cli(*args: str) -> tuple[int, str, str]:
-    result = CliRunner().invoke(main, list(args))
-    return result.exit_code, result.stdout, result.stderr
-
-
-def iso(when: datetime) -> str:
-    return when.astimezone(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def put(agent: Agent, key: str, value: dict[str, Any], **params: str) -> None:

@@ -66,6 +66,14 @@ def fresh_occurrence(spec: str, within_s: float = 2.0) -> str:
     return wait_for(fresh, 15, f"a fresh occurrence of {spec}", interval=0.05)
 
 
+def release_all(go: Path, *procs) -> None:
+    """Let every gated job end and SIGKILL any wrapper still running (a failed test leaves none behind)."""
+    go.touch()
+    for proc in procs:
+        if proc is not None and proc.poll() is None:
+            kill_wrapper(proc)
+
+
 def kill_wrapper(proc) -> None:
     os.kill(proc.pid, signal.SIGKILL)
     proc.communicate(timeout=10)
@@ -192,10 +200,7 @@ def test_each_node_never_settles_its_own_live_run_nor_runs_two_occurrences_at_on
         if second.poll() is None or concurrency == 2:
             assert finish(second, timeout=30)[0] == 0, log.read_text()
     finally:
-        go.touch()
-        for proc in (first, second):
-            if proc is not None and proc.poll() is None:
-                kill_wrapper(proc)
+        release_all(go, first, second)
     node_history = {e["occurrence"]: e for e in history("en")}
     assert node_history[first_occ]["state"] == "done", node_history
     assert node_history[first_occ].get("exit_status") == 0, node_history
@@ -273,10 +278,7 @@ def test_each_node_waiting_for_its_own_run_notices_that_run_die_and_runs_its_occ
         assert code == 0, err
         assert finish(second, timeout=30)[0] == 0, log.read_text()
     finally:
-        go.touch()
-        for proc in (first, second):
-            if proc is not None and proc.poll() is None:
-                kill_wrapper(proc)
+        release_all(go, first, second)
     runs = {e["occurrence"]: e for e in history("ed")}
     assert runs[first_occ]["state"] == "abandoned", runs
     assert runs[later]["state"] == "done" and lines(runs2) == ["ran"], (runs, log.read_text())

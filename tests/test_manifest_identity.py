@@ -12,6 +12,7 @@ from pathlib import Path
 from click.testing import CliRunner
 
 from consulrun.cli import main
+from tests.harness.runs import fake_root
 
 CONSULRUN = "/usr/local/bin/consulrun"
 
@@ -71,16 +72,6 @@ def test_a_second_jobs_yaml_is_refused_not_taken_for_the_first(tmp_path: Path) -
         (units / "consulrun-nightly-backup.timer").read_text()
     assert "\n# Manifest: team-b\n# Manifest file: none (named by its name: or --name)\n[Unit]" \
         in (units / "consulrun-report.timer").read_text()
-
-
-def fake_root(tmp_path: Path) -> tuple[Path, str]:
-    """An image root with an executable consulrun inside, where the units would call it."""
-    root = tmp_path / "root"
-    (root / "usr" / "bin").mkdir(parents=True)
-    inside = root / "usr" / "bin" / "consulrun"
-    inside.write_text("#!/bin/sh\n")
-    inside.chmod(0o755)
-    return root, "/usr/bin/consulrun"
 
 
 def tree(root: Path) -> dict[str, bytes | str]:

@@ -19,6 +19,7 @@ from consulrun.cli import main
 from consulrun.manifest.loader import load_manifest
 from consulrun.units.install import install_local
 from tests.harness.agents import Agent
+from tests.harness.runs import fake_root
 
 CONSULRUN = shutil.which("consulrun", path=str(Path(sys.executable).parent)) or "/usr/bin/true"
 HOURLY = "*-*-* *:00:00"
@@ -130,15 +131,6 @@ def test_one_watchdog_unit_judges_every_manifests_jobs(catalog: Agent, tmp_path:
         status, output = check(catalog, job) or ("", "")
         assert status == "critical" and output.startswith("missed: occurrence "), \
             (job, status, output)
-
-
-def fake_root(tmp_path: Path) -> tuple[Path, str]:
-    root = tmp_path / "root"
-    (root / "usr" / "bin").mkdir(parents=True)
-    inside = root / "usr" / "bin" / "consulrun"
-    inside.write_text("#!/bin/sh\n")
-    inside.chmod(0o755)
-    return root, "/usr/bin/consulrun"
 
 
 def test_installs_share_the_watchdog_and_the_last_removal_takes_it(tmp_path: Path) -> None:

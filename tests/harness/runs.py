@@ -125,3 +125,13 @@ def skip_writes(agent: Agent, args: list[str], env: dict[str, str] | None = None
         assert code == SKIP, err
         errs.append(err)
     return deltas, errs
+
+
+def fake_root(tmp_path: Path) -> tuple[Path, str]:
+    """An image root with an executable consulrun inside, where the units would call it."""
+    root = tmp_path / "root"
+    (root / "usr" / "bin").mkdir(parents=True)
+    inside = root / "usr" / "bin" / "consulrun"
+    inside.write_text("#!/bin/sh\n")
+    inside.chmod(0o755)
+    return root, "/usr/bin/consulrun"
