@@ -133,13 +133,21 @@ def _fields(record: dict[str, Any], where: str = "") -> str | None:
         if name in _TEXT_LISTS and not (isinstance(value, list) and all(isinstance(v, str) for v in value)):
             return f"field {field!r} is not a list of text"
         if name in _RECORDS or name in _RECORD_LISTS:
-            nested = [value] if name in _RECORDS else value
-            if not isinstance(nested, list) or not all(isinstance(v, dict) for v in nested):
-                return f"field {field!r} is not {'an object' if name in _RECORDS else 'a list of objects'}"
-            for n, inner in enumerate(nested):
-                why = _fields(inner, f"{field}." if name in _RECORDS else f"{field}[{n}].")
-                if why:
-                    return why
+            why = _nested(name, value, field)
+            if why:
+                return why
+    return None
+
+
+def _nested(name: str, value: Any, field: str) -> str | None:
+    """Why a field that holds a record (or a list of records) does not, or why one of them is malformed."""
+    nested = [value] if name in _RECORDS else value
+    if not isinstance(nested, list) or not all(isinstance(v, dict) for v in nested):
+        return f"field {field!r} is not {'an object' if name in _RECORDS else 'a list of objects'}"
+    for n, inner in enumerate(nested):
+        why = _fields(inner, f"{field}." if name in _RECORDS else f"{field}[{n}].")
+        if why:
+            return why
     return None
 
 

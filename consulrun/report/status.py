@@ -332,34 +332,14 @@ def judge_job(name: str, keys: dict[str, dict[str, Any]], manifest: Manifest | N
         status.state = "orphaned" if keys else "unknown"
     elif manifest is None and not keys:
         status.state = "unknown"
-    for key, entry in sorted(keys.items()):
-        if (key == "lock" or key.startswith("slots/")) and entry.get("Session"):
-            status.holders.append(judge.holder(entry))
-    for holder in status.holders:
-        if not holder["healthy"]:
-            status.problem("unhealthy", f"held by {holder['node']} (session {holder['session']}): {holder['health']}")
+    _holders(status, keys, judge)
     each_node = getattr(job, "mode", None) == "each-node" or any(key.startswith("nodes/") for key in keys)
     record = eachnode.newest(eachnode.node_records(keys)) if each_node else _record_of(keys)
     if record:
-        status.last = {k: record.get(k) for k in (*LAST_FIELDS, "retry_at")}
-        if isinstance(record.get("after"), dict):  # the parent run it ran after (chain.py)
-            status.last["after"] = record["after"]
-        status.last["duration_s"] = seconds_between(record.get("started"), record.get("ended"))
+        status.last = _last_of(record)
     if status.state == "never run" and any(not _operators_key(key) for key in keys):
         status.state = "held" if status.holders else "free"
-    expect = Expectations.of(job, record, grace_s) if status.state != "orphaned" else None
-    if expect is not None:
-        status.next = iso(calendar.following(list(expect.schedules), now))
-        # Occurrences skipped while paused since the last claimed one (without occurrence records, its start).
-        last = (record or {}).get("occurrence") or iso(parse_time((record or {}).get("started")))
-        status.skipped, covered = pause_skips(keys, list(expect.schedules), last, expect.lag_s, now)
-        if covered:  # the latest due occurrence fell in a pause that has ended since: skipped, not missed
-            expect = replace(expect, schedules=())
-    paused = pause_value_of(keys.get("pause"))
-    if pause_in_force(paused, now):
-        status.paused = paused
-        # Nobody runs a paused job's occurrences: not claiming them is what was asked for, not a miss.
-        expect = replace(expect, schedules=()) if expect else None
+    expect = _expectations(status, job, record, keys, grace_s, now)
     if record:
         _judge_record(status, record, expect, now)
         lead = clockskew.ahead_of_us(record, now)
@@ -374,6 +354,45 @@ def judge_job(name: str, keys: dict[str, dict[str, Any]], manifest: Manifest | N
     _overdue_holders(status, expect, now)
     chains.judge(status, keys, job, now)
     return status
+
+
+def _holders(status: JobStatus, keys: dict[str, dict[str, Any]], judge: HolderJudge) -> None:
+    """The lock's (or the slots') holders, each judged alive or not; an unhealthy one is a problem."""
+    for key, entry in sorted(keys.items()):
+        if (key == "lock" or key.startswith("slots/")) and entry.get("Session"):
+            status.holders.append(judge.holder(entry))
+    for holder in status.holders:
+        if not holder["healthy"]:
+            status.problem("unhealthy", f"held by {holder['node']} (session {holder['session']}): {holder['health']}")
+
+
+def _last_of(record: dict[str, Any]) -> dict[str, Any]:
+    """The fields of the latest record `status` shows as the job's last run."""
+    last = {k: record.get(k) for k in (*LAST_FIELDS, "retry_at")}
+    if isinstance(record.get("after"), dict):  # the parent run it ran after (chain.py)
+        last["after"] = record["after"]
+    last["duration_s"] = seconds_between(record.get("started"), record.get("ended"))
+    return last
+
+
+def _expectations(status: JobStatus, job: Any, record: dict[str, Any] | None, keys: dict[str, dict[str, Any]],
+                  grace_s: float, now: datetime) -> Expectations | None:
+    """What the job's schedule expects by now (None for a job no manifest names), less what a pause covers:
+    the occurrences skipped while paused are counted in `status`, and the job's pause noted there."""
+    expect = Expectations.of(job, record, grace_s) if status.state != "orphaned" else None
+    if expect is not None:
+        status.next = iso(calendar.following(list(expect.schedules), now))
+        # Occurrences skipped while paused since the last claimed one (without occurrence records, its start).
+        last = (record or {}).get("occurrence") or iso(parse_time((record or {}).get("started")))
+        status.skipped, covered = pause_skips(keys, list(expect.schedules), last, expect.lag_s, now)
+        if covered:  # the latest due occurrence fell in a pause that has ended since: skipped, not missed
+            expect = replace(expect, schedules=())
+    paused = pause_value_of(keys.get("pause"))
+    if pause_in_force(paused, now):
+        status.paused = paused
+        # Nobody runs a paused job's occurrences: not claiming them is what was asked for, not a miss.
+        expect = replace(expect, schedules=()) if expect else None
+    return expect
 
 
 def malformed_job(name: str, manifest: Manifest | None, exc: MalformedValue) -> JobStatus:
