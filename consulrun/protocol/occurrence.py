@@ -530,12 +530,8 @@ def _step(locker: Locker, ledger: Ledger, occ: Occurrence, policy: str, deadline
         return None
     record = snap.record or {}
     _same_zone(record, occ)
-    if locker.session and snap.holder_session == locker.session and record.get("session") == locker.session \
-            and record.get("occurrence") == occ.id and record.get("state") == "running":
-        held = locker.confirm_ours(ledger.lock_key, results=[{"KV": {"Key": ledger.record_key,
-                                                                     "ModifyIndex": snap.record_index}}])
-        if held:  # our own claim, whose answer went missing: it is ours to run
-            return held, record, ""
+    if (held := _our_lost_answer(locker, ledger, occ, snap)) is not None:
+        return held, record, ""  # our own claim, whose answer went missing: it is ours to run
     state = ledger.verdict(snap, occ)
     # A manual run never takes the place of an occurrence this node should run or take over, but a run its
     # timer did not start (`consulrun trigger` starts the unit itself) is the manual run, also when the latest
@@ -544,14 +540,9 @@ def _step(locker: Locker, ledger: Ledger, occ: Occurrence, policy: str, deadline
     if first and snap.trigger and state in manual_first and trigger_fresh(snap.trigger) and \
             snap.trigger.get("node") == locker.node_name():
         return _manual(locker, ledger, snap)
-    if state == "later":
-        return None, None, (f"a later occurrence ({record['occurrence']}) is already claimed; {occ.id} is past"
-                            + _skew(locker, ledger, snap))
-    if state == "done":
-        return None, None, (f"occurrence {occ.id} already ran on {record.get('node')} "
-                            f"(exit status {record.get('exit_status', '?')})" + _skew(locker, ledger, snap))
-    if state == "missed":
-        return None, None, f"occurrence {occ.id} was recorded missed: {printable(record.get('reason'))}"
+    why = _skip_reason(locker, ledger, occ, snap, state, policy, look)
+    if why is not None:
+        return None, None, why
     if state == "free" and (late := _past_start_deadline(occ, look)):
         return None, None, _record_missed(locker, ledger, occ, snap, late)
     if state == "dead" and policy == "skip":
@@ -560,12 +551,6 @@ def _step(locker: Locker, ledger: Ledger, occ: Occurrence, policy: str, deadline
             log.info("%s: occurrence %s was abandoned by %s; recorded", locker.spec.job, occ.id,
                      printable(record.get("node")))
         return None
-    if state in ("running", "failed", "dead") and policy == "skip":
-        how = {"running": f"was claimed by {record.get('node')} and is running",
-               "failed": f"was claimed by {record.get('node')} and ended {record.get('state')}; it is not run again"
-               }[state]
-        lost_race = " (this node lost the race for it)" if look["raced"] else ""
-        return None, None, f"occurrence {occ.id} {how}{lost_race} (on_holder_loss=skip)" + _skew(locker, ledger, snap)
     if state in ("running", "failed", "dead"):
         look["waiting"] = True  # retry: from here on this node stands by or takes over
     if first and state == "free" and not snap.holder_session and (wait := _turn(locker, ledger, occ)):
@@ -575,27 +560,74 @@ def _step(locker: Locker, ledger: Ledger, occ: Occurrence, policy: str, deadline
     holders = [snap.lock] if snap.holder_session else []
     too_late = look["raced"] and state == "free" and clock() >= look["bound"]  # refused until its bound: missed
     if not holders and state != "running" and not too_late:
-        claimed: dict[str, Any] = {}
-        takeover = state in ("failed", "dead")
-
-        def claim(value: dict[str, Any]) -> list[dict[str, Any]]:
-            # Built once the session exists, just before the claim is sent: a first claim after the next
-            # occurrence is due (a slow agent, the start's retries) would hold the lock when the next one's
-            # nodes look, and make them skip it. That one is given up, not claimed.
-            if state == "free" and not look["raced"] and _next_due(occ, look):
-                raise _Superseded
-            ops, claimed["record"] = ledger.claim_ops(occ, snap, value, takeover=takeover)
-            return ops
-
-        testhook.pause("before-claim")
-        try:
-            held = locker.try_once({ledger.lock_key: snap.lock} if snap.lock else {}, claim=claim)
-        except _Superseded:
-            return None, None, (f"occurrence {occ.id} is past: the next one ({calendar.occurrence_id(occ.next_when)})"
-                                " is already due" + _skew(locker, ledger, snap))
-        if held:
-            return held, claimed["record"], ""
+        result = _claim(locker, ledger, occ, snap, state, look)
+        if result is not None:
+            return result
         look["raced"] = True
+    return _wait_or_end(locker, ledger, occ, snap, state, policy, deadline, retry, look)
+
+
+def _our_lost_answer(locker: Locker, ledger: Ledger, occ: Occurrence, snap: Snapshot) -> Held | None:
+    """The lock, if the record shows `occ` claimed by our own session: a claim whose answer went missing."""
+    record = snap.record or {}
+    ours = locker.session and snap.holder_session == locker.session and record.get("session") == locker.session
+    if not ours or record.get("occurrence") != occ.id or record.get("state") != "running":
+        return None
+    return locker.confirm_ours(ledger.lock_key, results=[{"KV": {"Key": ledger.record_key,
+                                                                 "ModifyIndex": snap.record_index}}])
+
+
+def _skip_reason(locker: Locker, ledger: Ledger, occ: Occurrence, snap: Snapshot, state: str, policy: str,
+                 look: dict[str, Any]) -> str | None:
+    """Why this node skips `occ` by the record alone (reads only), or None if the record leaves it open."""
+    record = snap.record or {}
+    if state == "later":
+        return (f"a later occurrence ({record['occurrence']}) is already claimed; {occ.id} is past"
+                + _skew(locker, ledger, snap))
+    if state == "done":
+        return (f"occurrence {occ.id} already ran on {record.get('node')} "
+                f"(exit status {record.get('exit_status', '?')})" + _skew(locker, ledger, snap))
+    if state == "missed":
+        return f"occurrence {occ.id} was recorded missed: {printable(record.get('reason'))}"
+    if state not in ("running", "failed") or policy != "skip":
+        return None
+    how = {"running": f"was claimed by {record.get('node')} and is running",
+           "failed": f"was claimed by {record.get('node')} and ended {record.get('state')}; it is not run again"
+           }[state]
+    lost_race = " (this node lost the race for it)" if look["raced"] else ""
+    return f"occurrence {occ.id} {how}{lost_race} (on_holder_loss=skip)" + _skew(locker, ledger, snap)
+
+
+def _claim(locker: Locker, ledger: Ledger, occ: Occurrence, snap: Snapshot, state: str,
+           look: dict[str, Any]) -> tuple[Held | None, dict[str, Any] | None, str] | None:
+    """Take the lock and claim `occ` in one transaction: the result, or None if Consul refused the lock."""
+    claimed: dict[str, Any] = {}
+    takeover = state in ("failed", "dead")
+
+    def claim(value: dict[str, Any]) -> list[dict[str, Any]]:
+        # Built once the session exists, just before the claim is sent: a first claim after the next
+        # occurrence is due (a slow agent, the start's retries) would hold the lock when the next one's
+        # nodes look, and make them skip it. That one is given up, not claimed.
+        if state == "free" and not look["raced"] and _next_due(occ, look):
+            raise _Superseded
+        ops, claimed["record"] = ledger.claim_ops(occ, snap, value, takeover=takeover)
+        return ops
+
+    testhook.pause("before-claim")
+    try:
+        held = locker.try_once({ledger.lock_key: snap.lock} if snap.lock else {}, claim=claim)
+    except _Superseded:
+        return None, None, (f"occurrence {occ.id} is past: the next one ({calendar.occurrence_id(occ.next_when)})"
+                            " is already due" + _skew(locker, ledger, snap))
+    return (held, claimed["record"], "") if held else None
+
+
+def _wait_or_end(locker: Locker, ledger: Ledger, occ: Occurrence, snap: Snapshot, state: str, policy: str,
+                 deadline: float, retry: LockDelayRetry,
+                 look: dict[str, Any]) -> tuple[Held | None, dict[str, Any] | None, str] | None:
+    """Stand by on a held lock, or wait out lock-delay on a free one, within the bound; past it, say why."""
+    record = snap.record or {}
+    holders = [snap.lock] if snap.holder_session else []
     # Refused while nobody holds the lock or has claimed it: lock-delay after an invalidation (a lost race shows
     # its winner's claim at the next look). It is waited out within the occurrence's own bound.
     delayed = look["raced"] and not holders and state == "free"
