@@ -599,3 +599,19 @@ def test_the_not_started_mark_is_never_recorded(consul: Agent, tmp_path: Path) -
     assert code == 143, err
     last = kv_json(consul, "consulrun/plainstop/lock")["last"]
     assert "before the job started" in last["lost"] and "_not_started" not in last, last
+
+
+def test_a_chained_job_with_retries_validates_and_generates(tmp_path: Path) -> None:
+    """A chained job has no schedule of its own: the checks of how much room a schedule leaves for retries and
+    takeovers have nothing to measure, and said nothing; they crashed with a traceback (a new user found it)."""
+    from tests.harness.runs import cli
+
+    manifest = tmp_path / "jobs.yaml"
+    manifest.write_text("jobs:\n"
+                        "  parent: {command: [sh, -c, 'echo parent'], schedule: '*:0/2'}\n"
+                        "  child: {command: [sh, -c, 'exit 1'], after: [parent], retries: {attempts: 3, backoff: 5s},"
+                        " on_holder_loss: retry}\n")
+    code, out, err = cli("validate", str(manifest))
+    assert code == 0 and "valid: 2 jobs" in out, (out, err)
+    code, out, err = cli("generate", str(manifest), "-o", "-")
+    assert code == 0 and "consulrun-child.service" in out, err

@@ -58,6 +58,23 @@ def test_a_system_file_keeps_its_user_column_and_needs_no_user(tmp_path: Path) -
     assert yaml.safe_load(out)["jobs"]["backup"]["user"] == "backup"
 
 
+def test_a_copy_of_a_cron_d_file_given_by_a_relative_path_keeps_its_user_column(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`etc/cron.d/billing` beside a user crontab: the copy is a system file by where it lies, so its user
+    column is its user, not the first word of its command (a new user got a job named `root` running
+    `root /usr/local/sbin/...` as alice)."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "etc" / "cron.d").mkdir(parents=True)
+    (tmp_path / "etc" / "cron.d" / "billing").write_text(BACKUP)
+    (tmp_path / "mine").write_text(CRONTAB)
+    monkeypatch.setenv("PATH", str(tmp_path))  # no dpkg-query: no file is a package's
+    code, out, err = invoke("--user", "alice", "mine", "etc/cron.d/billing")
+    assert code == 0, err
+    jobs = yaml.safe_load(out)["jobs"]
+    assert jobs["billing"]["user"] == "backup" and jobs["billing"]["command"] == "/usr/local/sbin/cluster-backup", jobs
+    assert jobs["report"]["user"] == "alice", jobs
+
+
 @pytest.mark.parametrize("args, message", [
     (["--user", "root;x", "-"], "Error: --user 'root;x' is not a user name\n"),
     (["--user", "alice", "--system", "-"],

@@ -457,7 +457,7 @@ def test_sigkilled_wrappers_occurrence_is_taken_over_within_lock_delay(consul: A
     code, _, err = finish(standby)
     assert code == 0, err
     assert "has exited; destroying the session" in err
-    assert f" for occurrence {OCC}, taking over from a dead runner, (node dev1, session " in err, err
+    assert f" for occurrence {OCC}, taking over from a dead runner (node dev1, session " in err, err
     record = kv_json(consul, "consulrun/oom/occurrence")
     assert record["attempt"] == 2 and record["earlier"][0]["state"] == "abandoned"
     assert sessions(consul) == []
@@ -1238,7 +1238,7 @@ def test_a_standbys_takeover_whose_outcome_could_not_be_read_back_is_recognised_
             standby.kill()
     err = log.read_text()
     assert "whether the acquisition went through is unknown" in err, err
-    assert err.count(f" for occurrence {OCC}, taking over from a dead runner, (node dev1, session ") == 1, err  # said of both
+    assert err.count(f" for occurrence {OCC}, taking over from a dead runner (node dev1, session ") == 1, err  # said of both
     assert ran.read_text() == "x\n"
     record = kv_json(consul, "consulrun/ownclaim/occurrence")
     assert (record["state"], record["attempt"], len(record["earlier"])) == ("done", 2, 1), record

@@ -97,8 +97,9 @@ def test_a_chained_retry_that_cannot_start_is_a_failed_attempt_not_a_request_giv
     assert lines(runs) == ["run"], err
     assert code == 127, err  # the last attempt's: it could not be started (exec: permission denied)
     assert kv_keys(consul, "consulrun/c/after/") == [], "the request came back: another node would run c again"
-    rows = history("c")  # one row per attempt, newest first
-    assert [(r["attempt"], r["state"], r["exit_status"]) for r in rows] == [(2, "done", 127), (1, "done", 1)], rows
+    rows = sorted(history("c"), key=lambda r: r["attempt"])  # one row per attempt
+    assert [(r["attempt"], r["state"], r["exit_status"]) for r in rows] == [(1, "done", 1), (2, "done", 127)], rows
+    assert rows[1]["started"] is None and rows[1]["duration_s"] is None, rows  # it never started
     again = finish(consulrun("run", "--after", "p", "c", "--", "true"))
     assert again[0] == 0 and "no run after p is pending" in again[2], again[2]
     assert lines(runs) == ["run"]
@@ -136,8 +137,8 @@ def test_a_takeover_in_the_backoff_never_exceeds_attempts_and_the_job_knows_its_
     record = kv_json(consul, "consulrun/budget/occurrence")
     assert record["state"] == "done" and record["takeover"] is True, record
     assert lines(runs)[1] == f"{record['attempt']} 1", (lines(runs), record)
-    for earlier in record["earlier"]:  # the attempt that never started does not claim a start after its end
-        assert not earlier.get("started") or earlier["started"] <= earlier["ended"], earlier
+    # The attempt abandoned in its backoff claims no start: its record said only when the retry was due.
+    assert [("started" in e, e.get("retried")) for e in record["earlier"]] == [(True, True), (False, None)], record
 
 
 # --- 3. a lock lost in the backoff --------------------------------------------------------------------------------
@@ -216,6 +217,8 @@ def test_each_node_never_settles_its_own_live_run_nor_runs_two_occurrences_at_on
         assert code == 3, (out, err)
         problems = [p for job in json.loads(out)["jobs"] for p in job["problems"]]
         assert any(p["kind"] == "missed" and p.get("occurrence") == later[0]["occurrence"] for p in problems), out
+        assert not any("neither ran nor was recorded missed" in p["detail"] and later[0]["occurrence"] in
+                       p["detail"] for p in problems), out  # it was recorded, in the node's history
 
 
 # --- 5. a start deadline beside a live run ----------------------------------------------------------------------

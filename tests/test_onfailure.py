@@ -137,7 +137,7 @@ def test_success_and_skip_never_notify(node: Container) -> None:
 
 
 def test_a_takeover_that_fails_names_its_occurrence_exactly(node: Container, consul_bin: str) -> None:
-    """The takeover's `acquired` line goes on after the occurrence (`..., taking over from a dead runner,`); the
+    """The takeover's `acquired` line goes on after the occurrence (`..., taking over from a dead runner (node ...`); the
     handler is given the occurrence alone, never with the prose's comma."""
     from datetime import datetime, timezone
 

@@ -172,7 +172,8 @@ def test_manifests_that_need_the_watchdog_run_otherwise_are_refused(tmp_path: Pa
         r"Error: \S+/consulrun-_watchdog-a\.jobs: that manifest's watchdog runs with kv_prefix "
         r"'consulrun', this one's with 'team/b'; manifests of one unit_prefix share one "
         r"watchdog unit \(consulrun-_watchdog\.service\), so they must agree on it \(give this "
-        r"manifest another unit_prefix\); nothing changed\n", err), err
+        r"manifest the same setting, or another unit_prefix and another kv_prefix: the watchdog's lock is "
+        r"the kv_prefix's\); nothing changed\n", err), err
     assert {p.name: p.read_bytes() for p in units.iterdir()} == before
     b.write_text("unit_prefix: teamb\n" + b.read_text())  # the fix the line gives
     assert invoke("generate", str(b), "-o", str(units), "--consulrun-path", CONSULRUN)[0] == 0

@@ -14,7 +14,8 @@ from consulrun.commands.common import read_text
                 type=click.Path(allow_dash=True, path_type=Path))
 @click.option("--system", is_flag=True,
               help="The /etc/crontab and /etc/cron.d format: a user column before the command "
-                   "[default: on for /etc/crontab and /etc/cron.d/*].")
+                   "[default: on for /etc/crontab and /etc/cron.d/* (also copies: etc/crontab, "
+                   "cron.d/*)].")
 @click.option("--user", metavar="NAME",
               help="Whom a user crontab's jobs run as (the crontab's owner); required for a user "
                    "crontab, whose lines name no user.")
@@ -38,8 +39,9 @@ def import_crontab(crontabs: tuple[Path, ...], system: bool, user: str | None,
     inputs, packages = [], {}
     for crontab in crontabs:
         text, source = read_text(crontab)
-        is_system = (system or str(crontab) == "/etc/crontab"
-                     or str(crontab.parent) == "/etc/cron.d")
+        # By where it lies, also as a copy given by a relative path (etc/crontab, etc/cron.d/billing).
+        is_system = system or crontab.name == "crontab" and crontab.parent.name == "etc" \
+            or crontab.parent.name == "cron.d"
         inputs.append((text, source, is_system))
         owner = package_owner(str(crontab)) if is_system else None
         if owner:

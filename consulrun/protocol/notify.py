@@ -198,7 +198,7 @@ def acquired(job: str, journal: str) -> tuple[str, str]:
 
     The node is Consul's name for it (the rest of consulrun names nodes so; it may differ from the host name);
     the occurrence is only what has the occurrence id's own form, so the prose around it (`..., taking over
-    from a dead runner,`) never becomes part of it; a manual run has none.
+    from a dead runner`) never becomes part of it; a manual run has none.
     """
     pattern = re.compile(rf"^consulrun: {re.escape(job)}: acquired \S+ (?:for occurrence ({OCCURRENCE_ID})(?=[ ,])"
                          rf".*?)?.*\(node (\S+), session ", re.M)

@@ -386,8 +386,10 @@ def _final(record: dict[str, Any], state: str, reason: str) -> dict[str, Any]:
     if record.get("state") in FAILED_STATES:
         return dict(record)
     final = {**record, "state": state, "reason": reason, "ended": now_iso()}
-    if record.get("retry_at") and str(record.get("started")) > final["ended"]:
-        final.pop("started")  # closed in its backoff, before the retry was due: that attempt never started
+    if state == "abandoned" and record.get("retry_at") and record.get("started") == record["retry_at"]:
+        # A retry's record says when the retry was due, not when it started: only its runner knew whether
+        # it did, and it died unrecorded. Another node closing it names no start it cannot know.
+        final.pop("started")
     return final
 
 

@@ -413,7 +413,7 @@ def _run_held(request: RunRequest, locker: Locker, held: Held, fencing: Fencing,
     elif claim and claim.get("after"):
         which = f" for the run after {claim['after'].get('job')}'s {printable(claim['after'].get('run'))}"
     elif claim:
-        which = f" for occurrence {claim['occurrence']}" + (", taking over from a dead runner," if claim["takeover"] else "")
+        which = f" for occurrence {claim['occurrence']}" + (", taking over from a dead runner" if claim["takeover"] else "")
     # The node is Consul's name for it (on-failure reads it from this line: it can differ from the host name).
     log.info("%s: acquired %s%s (node %s, session %s, fencing token %d)", spec.job, held.key, which,
              printable(locker.node_name()), held.session, held.fencing_token)
@@ -540,7 +540,7 @@ def _run_held(request: RunRequest, locker: Locker, held: Held, fencing: Fencing,
             return status
         # The job ran before: a retry that cannot start is a failed attempt, and the last (the run is done,
         # and a chained run's request is spent: it never comes back).
-        outcome = {"exit_status": status, "ended": _now(), "not_started": exc.message,
+        outcome = {"exit_status": status, "started": None, "ended": _now(), "not_started": exc.message,
                    "retries_ended": f"attempt {attempt} could not be started"}
         log.warning("%s: attempt %d could not be started; no further attempt: its exit status %d stands",
                     spec.job, attempt, status)

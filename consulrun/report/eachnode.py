@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 from consulrun.consul.client import Client, decoded
 from consulrun.manifest import calendar
 from consulrun.protocol.eachnode import node_of_key
+from consulrun.protocol.keys import segment, stamp
 from consulrun.timefmt import parse_time
 
 if TYPE_CHECKING:
@@ -78,10 +79,17 @@ def judge(status: JobStatus, keys: dict[str, dict[str, Any]], schedules: tuple[s
         elif record.get("exit_status") not in (None, 0):
             status.problem("failed", f"{what} exited {record['exit_status']}", occurrence=record.get("occurrence"),
                            node=node)
-        if prior is not None and str(record.get("occurrence") or "") < calendar.occurrence_id(prior):
+        if prior is not None and str(record.get("occurrence") or "") < calendar.occurrence_id(prior) \
+                and not _in_history(keys, node, calendar.occurrence_id(prior)):
             status.problem("missed", f"occurrence {calendar.occurrence_id(prior)} neither ran nor was recorded "
                                      f"missed on {node}; its latest is {record.get('occurrence')}",
                            occurrence=calendar.occurrence_id(prior), node=node)
+
+
+def _in_history(keys: dict[str, dict[str, Any]], node: str, occurrence: str) -> bool:
+    """Whether `node`'s history has an entry for `occurrence` (a miss recorded there alone, while the node's
+    own earlier run still held its record)."""
+    return f"nodes/{segment(node)}/history/{stamp(occurrence)}" in keys
 
 
 def recorded_misses(status: JobStatus, keys: dict[str, dict[str, Any]], now: datetime,

@@ -54,7 +54,10 @@ def start_timeout_ms(job: Job) -> int | None:
 
 
 def densest_gap_ms(specs: list[str], start: datetime) -> int | None:
-    """The shortest time between consecutive occurrences among the next LOOK_AHEAD, or None if fewer than two."""
+    """The shortest time between consecutive occurrences among the next LOOK_AHEAD, or None if fewer than two
+    (a chained job, `after:` without `schedule:`, has none)."""
+    if not specs:
+        return None
     gaps, when = [], calendar.following(specs, start)
     for _ in range(LOOK_AHEAD):
         if when is None:

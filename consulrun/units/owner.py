@@ -199,8 +199,9 @@ def check_identity(units: dict[str, str], folder: Path, ident: Identity,
             if unit in units and not is_shared_name(unit):  # an older watchdog: shared now
                 raise OwnerClash(
                     f"{folder / unit} belongs to manifest {found.name!r}, not to {ident.name!r}, "
-                    "the one being generated: two manifests make a unit of that name (give one "
-                    "another unit_prefix or rename the job); nothing changed")
+                    "the one being generated: two manifests make a unit of that name (rename the job, "
+                    "or give one manifest another unit_prefix and another kv_prefix: jobs of one name "
+                    "under one kv_prefix share one lock); nothing changed")
             continue
         if found.legacy:
             legacy.append(unit)

@@ -92,9 +92,15 @@ def check_settings(units: dict[str, str], folder: Path, files: list[str],
                 key, unit = differ[0], watchdog_units(_prefix(mine))[0]
                 raise SharedClash(
                     f"{folder / other}: that manifest's watchdog runs with {key} "
-                    f"{theirs.get(key)!r}, this one's with {wanted.get(key)!r}; manifests of one "
-                    f"unit_prefix share one watchdog unit ({unit}), so they must agree on it (give "
-                    "this manifest another unit_prefix); nothing changed")
+                    f"{_setting(theirs.get(key))}, this one's with {_setting(wanted.get(key))}; manifests "
+                    f"of one unit_prefix share one watchdog unit ({unit}), so they must agree on it (give "
+                    "this manifest the same setting, or another unit_prefix and another kv_prefix: the "
+                    "watchdog's lock is the kv_prefix's); nothing changed")
+
+
+def _setting(value: object) -> str:
+    """A recorded watchdog setting as a line shows it: quoted, or `not set`."""
+    return "not set" if value is None else repr(value)
 
 
 def unused(units: dict[str, str], folder: Path, files: list[str], leaving: set[str]) -> list[str]:
