@@ -332,3 +332,35 @@ def test_each_node_waiting_for_its_own_run_records_its_start_deadline_when_it_pa
     runs = {e["occurrence"]: e for e in history("esd")}
     assert runs[later]["state"] == "missed" and "start_deadline" in runs[later]["reason"], runs
     assert runs[first_occ]["state"] == "done", runs
+
+
+def test_each_node_waits_out_its_own_fenced_run_before_taking_another_slot(consul: Agent, tmp_path: Path) -> None:
+    """concurrency 2: the node's run A of an earlier occurrence loses its slot (a forced unlock) and fences
+    its job, which ignores SIGTERM; lock-delay shuts only A's slot, so B, the node's next occurrence, waits as
+    long before it takes the other one: A's job is dead before B's starts, and A records itself lost (red team
+    2: B started beside A's dying job and wrote A abandoned over the result A was about to record)."""
+    alive, events = tmp_path / "a_alive", tmp_path / "events"
+    base = ("run", "--each-node", "--concurrency", "2", "--schedule", EVERY_10S, "--lock-delay", "5s", "--ttl",
+            "10s", "ef")
+    fresh_occurrence(EVERY_10S)
+    beat = f"date +%s.%N > {alive}.tmp && mv {alive}.tmp {alive}"  # never read half-written
+    first = consulrun(*base, "--", "sh", "-c", f"trap '' TERM; while :; do {beat}; sleep 0.1; done")
+    second = None
+    try:
+        wait_for(alive.exists, 20, "the first run")
+        first_occ = kv_json(consul, f"consulrun/ef/nodes/{consul.name}/occurrence")["occurrence"]
+        later = wait_for_next_occurrence(EVERY_10S, first_occ)
+        log = tmp_path / "second.log"
+        with log.open("w") as handle:
+            second = consulrun(*base, "--", "sh", "-c", f"date +%s.%N > {events}", stderr=handle)
+        wait_for(lambda: "still running" in log.read_text(), 10, "the second wrapper to wait for the first")
+        code, _, err = cli("unlock", "ef", "--yes", "--force")
+        assert code == 0, err
+        assert finish(first, timeout=30)[0] == 75
+        assert finish(second, timeout=30)[0] == 0, log.read_text()
+    finally:
+        release_all(tmp_path / "go", first, second)
+    assert float(events.read_text()) > float(alive.read_text()), "B started while A's job still ran"
+    runs = {e["occurrence"]: e for e in history("ef")}
+    assert runs[first_occ]["state"] == "lost" and runs[first_occ]["exit_status"] == 75, runs
+    assert runs[later]["state"] == "done", runs

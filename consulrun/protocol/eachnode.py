@@ -142,6 +142,25 @@ def acquire(locker: Locker, ledger: NodeLedger, occ: Occurrence, wait_s: float,
             return result
 
 
+def _own_run_fencing(locker: Locker, ledger: NodeLedger, snap: Snapshot, bound: float,
+                     look: dict[str, Any]) -> bool:
+    """True (having waited a while) while this node's earlier run, which lost its slot unrecorded (a forced
+    unlock, its session invalidated), may still be fencing its job. Its job is dead within lock-delay of the
+    moment its slot was freed, which was before this node first saw it free: lock-delay keeps that slot
+    shut so long, but not the others, so the next occurrence waits as long before it takes one (and the run
+    may record itself `lost` meanwhile)."""
+    seen = look.setdefault("own_run_lost_at", clock())
+    left = min(seen + locker.spec.lock_delay_ms / 1000, bound) - clock()
+    if left <= 0:
+        return False
+    locker.abandon()  # a session must not outlive its TTL unrenewed while we wait
+    locker.say_waiting("own-run-lost", f"this node's run of occurrence {printable((snap.record or {}).get('occurrence'))}"
+                                       f" lost its slot unrecorded; waiting {duration(left)} (lock-delay) while it "
+                                       "may still be stopping its job")
+    ledger.await_claim(snap, left)  # its own `lost` record ends the wait
+    return True
+
+
 def _own_run_bound(occ: Occurrence, bound: float, look: dict[str, Any]) -> float:
     """How long one wait for the node's own earlier run lasts: to its bound, or, with a start deadline, until
     the occurrence passes it (the next look then records it missed, as any late start is)."""
@@ -209,6 +228,8 @@ def _step(locker: Locker, ledger: NodeLedger, occ: Occurrence, bound: float, ret
         return None, None, _record_missed(locker, ledger, occ, snap, late)
     if snap.runner_alive():  # this node's run of an earlier occurrence goes on: one occurrence at a time
         return _await_own_run(locker, ledger, occ, snap, bound, _own_run_bound(occ, bound, look))
+    if (snap.record or {}).get("state") == "running" and _own_run_fencing(locker, ledger, snap, bound, look):
+        return None
     free = [key for key in ledger.slot_keys if not slots.get(key, {}).get("Session")]
     if free and clock() < bound:
         claimed: dict[str, Any] = {}
