@@ -66,6 +66,24 @@ def fresh_occurrence(spec: str, within_s: float = 2.0) -> str:
     return wait_for(fresh, 15, f"a fresh occurrence of {spec}", interval=0.05)
 
 
+def second_waits_for_first(consul: Agent, job: str, base: tuple[str, ...], started: Path, command: list[str],
+                           log: Path) -> tuple[str, str, object]:
+    """Once the node's first run of `job` has started: wait for the next occurrence, start a second wrapper
+    (its stderr to `log`) and wait until it says it waits for the first. (first's occurrence, the next one,
+    the second wrapper)."""
+    wait_for(started.exists, 20, "the first run")
+    first_occ = kv_json(consul, f"consulrun/{job}/nodes/{consul.name}/occurrence")["occurrence"]
+    later = wait_for_next_occurrence(EVERY_10S, first_occ)
+    with log.open("w") as handle:
+        second = consulrun(*base, "--", *command, stderr=handle)
+    try:
+        wait_for(lambda: "still running" in log.read_text(), 10, "the second wrapper to wait for the first")
+    except BaseException:
+        kill_wrapper(second)
+        raise
+    return first_occ, later, second
+
+
 def release_all(go: Path, *procs) -> None:
     """Let every gated job end and SIGKILL any wrapper still running (a failed test leaves none behind)."""
     go.touch()
@@ -268,14 +286,10 @@ def test_each_node_waiting_for_its_own_run_notices_that_run_die_and_runs_its_occ
     fresh_occurrence(EVERY_10S)
     first = consulrun(*base, "--", *gated(started, go))
     second = None
+    log = tmp_path / "second.log"
     try:
-        wait_for(started.exists, 20, "the first run")
-        first_occ = kv_json(consul, f"consulrun/ed/nodes/{consul.name}/occurrence")["occurrence"]
-        later = wait_for_next_occurrence(EVERY_10S, first_occ)
-        log = tmp_path / "second.log"
-        with log.open("w") as handle:
-            second = consulrun(*base, "--", "sh", "-c", f"echo ran >> {runs2}", stderr=handle)
-        wait_for(lambda: "still running" in log.read_text(), 10, "the second wrapper to wait for the first")
+        first_occ, later, second = second_waits_for_first(consul, "ed", base, started,
+                                                          ["sh", "-c", f"echo ran >> {runs2}"], log)
         kill_wrapper(first)
         code, _, err = cli("reap", "ed")
         assert code == 0, err
@@ -346,14 +360,10 @@ def test_each_node_waits_out_its_own_fenced_run_before_taking_another_slot(consu
     beat = f"date +%s.%N > {alive}.tmp && mv {alive}.tmp {alive}"  # never read half-written
     first = consulrun(*base, "--", "sh", "-c", f"trap '' TERM; while :; do {beat}; sleep 0.1; done")
     second = None
+    log = tmp_path / "second.log"
     try:
-        wait_for(alive.exists, 20, "the first run")
-        first_occ = kv_json(consul, f"consulrun/ef/nodes/{consul.name}/occurrence")["occurrence"]
-        later = wait_for_next_occurrence(EVERY_10S, first_occ)
-        log = tmp_path / "second.log"
-        with log.open("w") as handle:
-            second = consulrun(*base, "--", "sh", "-c", f"date +%s.%N > {events}", stderr=handle)
-        wait_for(lambda: "still running" in log.read_text(), 10, "the second wrapper to wait for the first")
+        first_occ, later, second = second_waits_for_first(consul, "ef", base, alive,
+                                                          ["sh", "-c", f"date +%s.%N > {events}"], log)
         code, _, err = cli("unlock", "ef", "--yes", "--force")
         assert code == 0, err
         assert finish(first, timeout=30)[0] == 75
